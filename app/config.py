@@ -1,0 +1,164 @@
+"""One typed configuration for the whole graph: defaults run the tiny model on this CPU machine.
+
+Sources, later ones winning: the dataclass defaults, a YAML file (`config=path.yaml`), then
+`key=value` Serve args (`serve run app:graph prefill.replicas=2 retention_ttl_s=60`).
+Validated once, when the graph is built; replicas receive the frozen object.
+"""
+
+import dataclasses
+import enum
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+TINY_MODEL = "tiny-qwen3"
+
+
+class Device(str, enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class EngineGroupConfig:
+    """One engine role (prefill or decode): how many replicas and what each one gets."""
+
+    replicas: int = 1
+    """Engine replicas in this group; each is a Serve replica holding one vLLM AsyncLLM."""
+    cpus_per_replica: float = 1.0
+    """Logical CPUs in the replica's placement-group bundle."""
+    gpus_per_replica: float = 0.0
+    """GPUs in the bundle (equal to tensor_parallel_size on GPU nodes)."""
+    bundle_resources: Mapping[str, float] = field(default_factory=dict)
+    """Extra custom resources per bundle, e.g. {"efa": 1} or a node-type label resource."""
+    prefix_caching: bool = True
+    """vLLM prefix caching; tests switch it off on prefill to emulate cache loss."""
+    kv_cache_gib: int = 1
+    """KV pool size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE); on GPU use gpu_memory_utilization."""
+    gpu_memory_utilization: float = 0.9
+    """Share of GPU memory vLLM may take (GPU only)."""
+    num_gpu_blocks_override: int = 0
+    """Force the KV pool to this many blocks (0: let vLLM size it); small pools create cache loss."""
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    model: str = TINY_MODEL
+    """Model path or hub id; "tiny-qwen3" builds the embedded random-weight model on first start."""
+    served_model_name: str = ""
+    """Name clients pass as `model`; defaults to the model's folder name."""
+    model_cache_dir: str = "~/.cache/kv-loop"
+    """Where the embedded model is built."""
+    device: Device = Device.CPU
+    tensor_parallel_size: int = 1
+    block_size: int = 32
+    """Tokens per KV block; the CPU attention backend needs a multiple of 32."""
+    max_model_len: int = 8192
+    enforce_eager: bool = True
+    """Skip graph capture: engine start on 2 CPU cores drops from about 70 s to 40 s."""
+    dtype: str = "auto"
+    """Weights and KV dtype; "auto" is float32 for the embedded model (vLLM's CPU default would be bf16)."""
+    prefill: EngineGroupConfig = EngineGroupConfig(prefix_caching=True)
+    decode: EngineGroupConfig = EngineGroupConfig(prefix_caching=True)
+    reverse_pull: bool = True
+    """Pull the previous turn's KV back from decode; off means prefill always recomputes history."""
+    recompute_threshold_tokens: int = 32
+    """Pull only when it saves at least this many tokens of prefill over the local cache."""
+    retention_ttl_s: float = 120.0
+    """How long decode keeps a finished sequence's blocks for the next turn (think time)."""
+    expiry_margin_s: float = 5.0
+    """Decline retained blocks that expire sooner than this: the pull must finish first."""
+    nixl_poll_delay_us: int = 100
+    """NIXL progress-thread sleep between polls; NIXL's own 0 spins a core per engine."""
+    bind_engine_cores: bool = True
+    """Pin each CPU engine's OpenMP threads to its own core (VLLM_CPU_OMP_THREADS_BIND)."""
+    router_replicas: int = 1
+    request_timeout_s: float = 300.0
+    tenant_salt: str = "default"
+    """Cache salt for requests that name no tenant; keeps the index scoped per tenant."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "block_size must be a positive multiple of 32 on CPU":
+                self.block_size > 0 and (self.device != Device.CPU or self.block_size % 32 == 0),
+            "max_model_len must hold at least two blocks": self.max_model_len >= 2 * self.block_size,
+            "prefill.replicas and decode.replicas must be >= 1":
+                self.prefill.replicas >= 1 and self.decode.replicas >= 1,
+            "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
+            "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
+        }
+        failed = [msg for msg, ok in checks.items() if not ok]
+        if failed:
+            raise ValueError("invalid config: " + "; ".join(failed))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    @property
+    def engine_dtype(self) -> str:
+        return "float32" if self.dtype == "auto" and self.model == TINY_MODEL else self.dtype
+
+    def model_path(self) -> Path:
+        """The folder engines and the tokenizer load (the embedded model's build folder)."""
+        if self.model == TINY_MODEL:
+            return Path(os.path.expanduser(self.model_cache_dir)) / TINY_MODEL
+        return Path(self.model)
+
+
+def load_config(args: Mapping[str, Any] | None = None) -> AppConfig:
+    """Build the config from Serve args: an optional `config` YAML path plus dotted key=value pairs."""
+    args = dict(args or {})
+    values: dict[str, Any] = {}
+    if "config" in args:
+        values = yaml.safe_load(Path(args.pop("config")).read_text()) or {}
+    for key, value in args.items():
+        _set_dotted(values, key.split("."), value)
+    return _build(AppConfig, values)
+
+
+def _set_dotted(tree: dict, keys: list[str], value: Any) -> None:
+    for key in keys[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[keys[-1]] = value
+
+
+def _build(cls, values: Mapping[str, Any]):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown config keys for {cls.__name__}: {sorted(unknown)}")
+    defaults = cls()
+    kwargs = {}
+    for name, value in values.items():
+        default = getattr(defaults, name)
+        if dataclasses.is_dataclass(default):
+            merged = {**dataclasses.asdict(default), **value}
+            kwargs[name] = _build(type(default), merged)
+        else:
+            kwargs[name] = _coerce(value, default, name)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, default: Any, name: str) -> Any:
+    """Serve CLI args arrive as strings; convert them to the type of the field's default."""
+    try:
+        if isinstance(default, enum.Enum):
+            return type(default)(value)
+        if not isinstance(value, str) or isinstance(default, str):
+            return value
+        if isinstance(default, bool):
+            if value.lower() not in _BOOLEANS:
+                raise ValueError(f"expected a boolean, got {value!r}")
+            return _BOOLEANS[value.lower()]
+        if isinstance(default, Mapping):
+            return yaml.safe_load(value)
+        return type(default)(value)
+    except ValueError as exc:
+        raise ValueError(f"config key {name}: {exc}") from None
+
+
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}

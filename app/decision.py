@@ -1,0 +1,61 @@
+"""Pull or recompute: the router's per-turn choice, from the index's lookup to a RoutingDecision.
+
+Pull only full blocks inside the longest common prefix of the new prompt and the retained
+sequence (compared token by token, never one block past it), and never blocks that expire
+before the pull can finish. Everything else is recomputed by prefill.
+"""
+
+from dataclasses import dataclass, replace
+
+from app.hashing import common_prefix_len
+from app.protocol import Action, KVHandoff, PrefixLookup, Reason, RoutingDecision
+
+
+@dataclass(frozen=True)
+class PullPolicy:
+    block_size: int
+    threshold_tokens: int
+    expiry_margin_s: float
+    enabled: bool = True
+
+
+def pullable_tokens(prompt_ids: list[int], retained_ids: tuple[int, ...], block_size: int) -> int:
+    """Full blocks of the common prefix, leaving at least one prompt token for prefill to compute."""
+    shared = min(common_prefix_len(prompt_ids, list(retained_ids)), len(prompt_ids) - 1)
+    return max(shared, 0) // block_size * block_size
+
+
+def cut_handoff(handoff: KVHandoff, num_tokens: int, block_size: int) -> KVHandoff:
+    num_blocks = num_tokens // block_size
+    return replace(handoff, block_ids=tuple(group[:num_blocks] for group in handoff.block_ids),
+                   num_tokens=num_tokens)
+
+
+def choose_prefill_replica(lookup: PrefixLookup, replica_ids: list[str], turn_counter: int) -> str:
+    """The replica with the most cached leading tokens; ties rotate so load spreads."""
+    best = max(lookup.prefill_cached_tokens.get(r, 0) for r in replica_ids)
+    tied = [r for r in replica_ids if lookup.prefill_cached_tokens.get(r, 0) == best]
+    return tied[turn_counter % len(tied)]
+
+
+def decide(prompt_ids: list[int], lookup: PrefixLookup, prefill_replica_id: str,
+           policy: PullPolicy, now: float) -> RoutingDecision:
+    local = min(lookup.prefill_cached_tokens.get(prefill_replica_id, 0), len(prompt_ids) - 1)
+    local = max(local, 0) // policy.block_size * policy.block_size
+    base = RoutingDecision(prefill_replica_id=prefill_replica_id, action=Action.RECOMPUTE,
+                           reason=Reason.NOTHING_RETAINED, tokens_local=local, tokens_pullable=0,
+                           threshold=policy.threshold_tokens)
+    if lookup.retained is None:
+        return base
+    retained = lookup.retained.retained
+    pullable = pullable_tokens(prompt_ids, retained.token_ids, policy.block_size)
+    expires_in_s = retained.handoff.expiry_time - now
+    base = replace(base, tokens_pullable=pullable, expires_in_s=round(expires_in_s, 3), retained=retained)
+    if not policy.enabled:
+        return replace(base, reason=Reason.PULL_DISABLED)
+    if pullable - local < max(policy.threshold_tokens, 1):
+        return replace(base, reason=Reason.BELOW_THRESHOLD)
+    if expires_in_s < policy.expiry_margin_s:
+        return replace(base, reason=Reason.EXPIRES_TOO_SOON)
+    return replace(base, action=Action.PULL, reason=Reason.PULL_SAVES_TOKENS,
+                   pull=cut_handoff(retained.handoff, pullable, policy.block_size))

@@ -1,0 +1,150 @@
+"""The engine adapter: the only code that turns AppConfig into vLLM/NIXL settings and KVHandoff
+into vLLM's kv_transfer_params (and back). Prefill and decode replicas each hold one Engine.
+
+    AppConfig ──engine_env/engine_args──▶ AsyncLLM(NixlConnector, bidirectional)
+    KVHandoff ──to_pull_params──▶ kv_transfer_params ──from_vllm_params──▶ KVHandoff
+"""
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from app.config import AppConfig, Device, EngineGroupConfig
+from app.nixl_poll import POLL_DELAY_ENV
+from app.protocol import EngineEndpoint, KVHandoff, Role, SamplingSettings
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    role: Role
+    engine_id: str
+    host: str
+    port: int
+    cpu_core: int | None
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> EngineIdentity:
+    """A unique engine id and side-channel port per replica; a core of its own where there is one."""
+    engine_index = rank if role == Role.PREFILL else config.prefill.replicas + rank
+    cores = os.cpu_count() or 1
+    core = engine_index % cores if config.device == Device.CPU and config.bind_engine_cores else None
+    return EngineIdentity(role=role, engine_id=f"{role.value}-{rank}-{uuid.uuid4().hex[:8]}",
+                          host=host, port=free_port(host), cpu_core=core)
+
+
+def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIdentity) -> dict[str, str]:
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": identity.host,
+           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(identity.port),
+           POLL_DELAY_ENV: str(config.nixl_poll_delay_us)}
+    if config.device == Device.CPU:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(group.kv_cache_gib)
+    if identity.cpu_core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(identity.cpu_core)
+    return env
+
+
+def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIdentity):
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    transfer = KVTransferConfig(
+        kv_connector="NixlConnector", kv_role="kv_both", engine_id=identity.engine_id,
+        kv_buffer_device=config.device.value, kv_load_failure_policy="fail",
+        kv_connector_extra_config={
+            "bidirectional_kv_xfer": True,
+            # The router decides pull vs recompute; the engine must not second-guess it.
+            "kv_recompute_threshold": 0,
+            "decoder_kv_blocks_ttl": config.retention_ttl_s,
+        })
+    path = str(config.model_path())
+    return AsyncEngineArgs(
+        model=path, tokenizer=path, served_model_name=[config.model_name], dtype=config.engine_dtype,
+        block_size=config.block_size, max_model_len=config.max_model_len,
+        enforce_eager=config.enforce_eager, enable_prefix_caching=group.prefix_caching,
+        tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=group.gpu_memory_utilization,
+        num_gpu_blocks_override=group.num_gpu_blocks_override or None,
+        kv_transfer_config=transfer, worker_extension_cls="app.nixl_poll.NixlPollDelay",
+        disable_log_stats=False)
+
+
+def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, Any]):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p,
+        seed=settings.seed, stop=list(settings.stop) or None, ignore_eos=settings.ignore_eos,
+        extra_args={"kv_transfer_params": kv_transfer_params})
+
+
+# ---- kv_transfer_params, both directions ------------------------------------------------------
+def to_vllm_params(handoff: KVHandoff, reader: Role) -> dict[str, Any]:
+    """Params that make `reader` read `handoff`'s blocks: decode reads prefill's
+    (do_remote_prefill); prefill reads decode's (do_remote_decode, bidirectional)."""
+    params: dict[str, Any] = {
+        "remote_block_ids": [list(group) for group in handoff.block_ids],
+        "remote_engine_id": handoff.source.engine_id, "remote_request_id": handoff.request_id,
+        "remote_host": handoff.source.host, "remote_port": handoff.source.port,
+        "tp_size": handoff.source.tp_size, "remote_num_tokens": handoff.num_tokens}
+    if reader == Role.DECODE:
+        params.update(do_remote_prefill=True, do_remote_decode=False)
+    else:
+        params.update(do_remote_prefill=False, do_remote_decode=True)
+        if handoff.engine_expiry is not None:
+            params["remote_blocks_expiry_time"] = handoff.engine_expiry
+    return params
+
+
+def from_vllm_params(params: dict[str, Any]) -> KVHandoff:
+    """The engine's returned params as a handoff; its expiry (the owner's monotonic clock, same
+    host) becomes Unix time so the router can compare it with its own clock."""
+    engine_expiry = params.get("remote_blocks_expiry_time")
+    expiry = time.time() + (engine_expiry - time.perf_counter()) if engine_expiry else 0.0
+    source = EngineEndpoint(engine_id=params["remote_engine_id"], host=params["remote_host"],
+                            port=int(params["remote_port"]), tp_size=int(params.get("tp_size", 1)))
+    return KVHandoff(source=source, block_ids=tuple(tuple(g) for g in params["remote_block_ids"]),
+                     num_tokens=int(params.get("remote_num_tokens") or 0),
+                     request_id=params["remote_request_id"], expiry_time=expiry,
+                     engine_expiry=engine_expiry)
+
+
+class Engine:
+    """One in-process vLLM AsyncLLM with a NIXL connector, as prefill or decode."""
+
+    def __init__(self, config: AppConfig, role: Role, rank: int, host: str) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        group = config.prefill if role == Role.PREFILL else config.decode
+        self.identity = assign_identity(config, role, rank, host)
+        os.environ.update(engine_env(config, group, self.identity))
+        self.endpoint = EngineEndpoint(engine_id=self.identity.engine_id, host=host,
+                                       port=self.identity.port, tp_size=config.tensor_parallel_size)
+        self.llm = AsyncLLM.from_engine_args(engine_args(config, group, self.identity))
+
+    def generate(self, request_id: str, prompt_token_ids: tuple[int, ...], cache_salt: str,
+                 settings: SamplingSettings, kv_transfer_params: dict[str, Any]) -> AsyncIterator[Any]:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = sampling_params(settings, kv_transfer_params)
+        params.output_kind = RequestOutputKind.DELTA
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids), cache_salt=cache_salt)
+        return self.llm.generate(prompt, params, request_id)
+
+    async def release(self, handoff: KVHandoff) -> None:
+        """Tell the owner of `handoff` it will not be read, so it frees the blocks now, not at TTL."""
+        params = {**to_vllm_params(handoff, Role.PREFILL), "do_remote_prefill": True, "do_remote_decode": False}
+        await self.llm.notify_kv_transfer_request_rejected(f"release-{uuid.uuid4().hex}", params)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

@@ -1,0 +1,112 @@
+"""What is cached where: retained decode sequences and prefill replicas' recent prompts, by block hash.
+
+Fed by the router after each turn (decode's RetainedBlocks, prefill's computed blocks); read by
+the router before each turn. Plain data, no Ray: deployments/kv_index.py wraps it in an actor.
+
+    retained:  hash(b0..bi) ──▶ {sequence keys}     sequences: key ──▶ RetainedBlocks
+    prefill:   replica ──▶ LRU{hash(b0..bi)}        (predicted: the engine may have evicted it)
+"""
+
+import time
+from collections import OrderedDict
+
+from app.hashing import block_hashes
+from app.protocol import PrefixLookup, ReplicaInfo, RetainedBlocks, RetainedMatch, Role
+
+SequenceKey = tuple[str, str]  # (decode replica id, engine request id)
+
+
+class KVIndex:
+    def __init__(self, block_size: int, prefill_capacity_blocks: int = 100_000) -> None:
+        self.block_size = block_size
+        self.prefill_capacity_blocks = prefill_capacity_blocks
+        self.replicas: dict[str, ReplicaInfo] = {}
+        self._sequences: dict[SequenceKey, RetainedBlocks] = {}
+        self._sequence_hashes: dict[SequenceKey, list[int]] = {}
+        self._by_hash: dict[int, set[SequenceKey]] = {}
+        self._prefill_blocks: dict[str, OrderedDict[int, None]] = {}
+
+    def register(self, info: ReplicaInfo) -> None:
+        self.replicas[info.replica_id] = info
+        if info.role == Role.PREFILL:
+            self._prefill_blocks.setdefault(info.replica_id, OrderedDict())
+
+    def unregister(self, replica_id: str) -> None:
+        self.replicas.pop(replica_id, None)
+        self._prefill_blocks.pop(replica_id, None)
+        for key in [k for k in self._sequences if k[0] == replica_id]:
+            self.forget_retained(key)
+
+    def replica_ids(self, role: Role) -> list[str]:
+        return sorted(r.replica_id for r in self.replicas.values() if r.role == role)
+
+    # ---- decode's retained sequences -------------------------------------------------------
+    def record_retained(self, salt: str, retained: RetainedBlocks) -> None:
+        key = (retained.replica_id, retained.handoff.request_id)
+        hashes = block_hashes(list(retained.token_ids), self.block_size, salt)
+        self._sequences[key] = retained
+        self._sequence_hashes[key] = hashes
+        for h in hashes:
+            self._by_hash.setdefault(h, set()).add(key)
+
+    def forget_retained(self, key: SequenceKey) -> RetainedBlocks | None:
+        retained = self._sequences.pop(key, None)
+        for h in self._sequence_hashes.pop(key, []):
+            keys = self._by_hash.get(h)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_hash[h]
+        return retained
+
+    def expire(self, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        stale = [k for k, r in self._sequences.items() if r.handoff.expiry_time <= now]
+        for key in stale:
+            self.forget_retained(key)
+        return len(stale)
+
+    def _longest_retained(self, hashes: list[int], now: float) -> RetainedMatch | None:
+        best: RetainedMatch | None = None
+        candidates: set[SequenceKey] = set()
+        for depth, h in enumerate(hashes, start=1):
+            # Chained hashes: a sequence holding block i's hash holds blocks 0..i-1 too.
+            live = {k for k in self._by_hash.get(h, ()) if self._sequences[k].handoff.expiry_time > now}
+            if not live:
+                break
+            candidates = live
+            key = max(candidates, key=lambda k: self._sequences[k].handoff.expiry_time)
+            best = RetainedMatch(retained=self._sequences[key], matched_blocks=depth)
+        return best
+
+    # ---- prefill replicas' recent work -----------------------------------------------------
+    def record_prefill(self, replica_id: str, hashes: list[int]) -> None:
+        info = self.replicas.get(replica_id)
+        if info is None or not info.prefix_caching:
+            return
+        blocks = self._prefill_blocks.setdefault(replica_id, OrderedDict())
+        for h in hashes:
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.prefill_capacity_blocks:
+            blocks.popitem(last=False)
+
+    def _prefill_cached_tokens(self, hashes: list[int]) -> dict[str, int]:
+        cached = {}
+        for replica_id, blocks in self._prefill_blocks.items():
+            n = 0
+            while n < len(hashes) and hashes[n] in blocks:
+                n += 1
+            cached[replica_id] = n * self.block_size
+        return cached
+
+    # ---- the question the router asks ------------------------------------------------------
+    def lookup(self, hashes: list[int], now: float | None = None) -> PrefixLookup:
+        now = time.time() if now is None else now
+        return PrefixLookup(prefill_cached_tokens=self._prefill_cached_tokens(hashes),
+                            retained=self._longest_retained(hashes, now))
+
+    def stats(self) -> dict[str, int]:
+        return {"retained_sequences": len(self._sequences), "retained_hashes": len(self._by_hash),
+                "prefill_blocks": sum(len(b) for b in self._prefill_blocks.values()),
+                "replicas": len(self.replicas)}

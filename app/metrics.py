@@ -1,0 +1,43 @@
+"""Router metrics through Ray Serve's metrics API (they appear in the Ray dashboard's Serve view).
+
+Fed by the turn loop after each prefill; read by Prometheus via Ray's metrics endpoint.
+"""
+
+import json
+from pathlib import Path
+
+from app.protocol import Action, RoutingDecision
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
+
+
+def kv_bytes_per_token(model_path: Path) -> int:
+    """2 (K and V) x layers x KV heads x head dim x bytes per element, from the model's config."""
+    cfg = json.loads((model_path / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
+
+
+class TurnMetrics:
+    def __init__(self, kv_bytes_per_token: int) -> None:
+        from ray.serve import metrics
+
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.decisions = metrics.Counter(
+            "kv_loop_decisions", "Pull/recompute decisions of the turn loop.", tag_keys=("action", "reason"))
+        self.prompt_tokens = metrics.Counter(
+            "kv_loop_prompt_tokens", "Prompt tokens by where their KV came from.", tag_keys=("source",))
+        self.bytes_pulled = metrics.Counter("kv_loop_bytes_pulled", "KV bytes pulled from decode replicas.")
+
+    def record_turn(self, decision: RoutingDecision, prompt_tokens: int, cached_tokens: int,
+                    pulled_tokens: int) -> None:
+        self.decisions.inc(1, {"action": decision.action.value, "reason": decision.reason.value})
+        by_source = {"pulled": pulled_tokens, "local": cached_tokens - pulled_tokens,
+                     "computed": prompt_tokens - cached_tokens}
+        for source, n in by_source.items():
+            if n > 0:
+                self.prompt_tokens.inc(n, {"source": source})
+        if decision.action == Action.PULL and pulled_tokens > 0:
+            self.bytes_pulled.inc(pulled_tokens * self.kv_bytes_per_token)

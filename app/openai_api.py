@@ -1,0 +1,132 @@
+"""The OpenAI-compatible wire format: request validation in, response and SSE chunk shapes out.
+
+Unknown fields are accepted and ignored (clients send many); `kv_transfer_params` in particular
+is never read: only the router's own records decide what is pulled from where.
+"""
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from app.protocol import SamplingSettings
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        return role
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    """vLLM's extension: include prompt and generated token ids in the response."""
+
+    def sampling(self, default_max_tokens: int) -> SamplingSettings:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingSettings(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
+                                temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                                stop=stop, ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return not self.stream or bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def error_body(message: str, status: int) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+class ResponseShape:
+    """Builds chat or text-completion bodies and chunks for one request."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.request_id, self.model, self.chat = request_id, model, chat
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _envelope(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice]}
+
+    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> str:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": text},
+                                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse(self._envelope(obj, choice))
+
+    def usage_chunk(self, usage_body: dict[str, Any]) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse({**self._envelope(obj, {}), "choices": [], "usage": usage_body})
+
+    def full(self, text: str, finish_reason: str | None, usage_body: dict[str, Any],
+             token_ids: list[int] | None, prompt_token_ids: list[int] | None) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        body = {**self._envelope(self.object, choice), "usage": usage_body}
+        if prompt_token_ids is not None:
+            body["prompt_token_ids"] = prompt_token_ids
+        return body
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {data}\n\n"

@@ -1,0 +1,156 @@
+"""Every message that crosses a deployment boundary, defined once.
+
+router ──PrefillRequest──▶ prefill ──PrefillResult(KVHandoff)──▶ router
+router ──DecodeRequest(KVHandoff)──▶ decode ──DecodeChunk…, last one with RetainedBlocks──▶ router
+router ──RetainedBlocks / prefill hashes──▶ kv_index ──PrefixLookup──▶ router
+"""
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    """Where an engine's KV can be read over NIXL: its identity and side channel."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What an engine replica tells the KV index when it starts."""
+
+    replica_id: str
+    role: Role
+    endpoint: EngineEndpoint
+    prefix_caching: bool
+    block_size: int
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """KV blocks one engine holds for another to read: prefill→decode, or decode→next prefill."""
+
+    source: EngineEndpoint
+    block_ids: tuple[tuple[int, ...], ...]
+    """One tuple of block ids per KV-cache group, as vLLM lays them out."""
+    num_tokens: int
+    request_id: str
+    """The engine's id of the request that owns the blocks; the reader's notification frees them."""
+    expiry_time: float = 0.0
+    """Unix time after which the owner may free the blocks (0: until read)."""
+    engine_expiry: float | None = None
+    """The same deadline on the owner's monotonic clock, as the engine reads it."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    cache_salt: str
+    target_replica_id: str
+    """The replica the router chose; the Serve request router sends the call there."""
+    pull: KVHandoff | None = None
+    """Blocks to read from a decode replica instead of computing them (router-chosen, never client)."""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    replica_id: str
+    handoff: KVHandoff
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens prefill did not compute: local prefix-cache hits plus pulled tokens."""
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    cache_salt: str
+    sampling: SamplingSettings
+    handoff: KVHandoff
+
+
+@dataclass(frozen=True)
+class RetainedBlocks:
+    """Block metadata of a finished sequence that a decode replica keeps for the next turn."""
+
+    replica_id: str
+    handoff: KVHandoff
+    token_ids: tuple[int, ...]
+    """The tokens the retained blocks hold: prompt plus generated, minus the last sampled one."""
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    retained: RetainedBlocks | None = None
+    """Set on the final chunk only."""
+
+
+class Action(str, enum.Enum):
+    PULL = "pull"
+    RECOMPUTE = "recompute"
+
+
+class Reason(str, enum.Enum):
+    PULL_SAVES_TOKENS = "pull_saves_tokens"
+    PULL_DISABLED = "pull_disabled"
+    NOTHING_RETAINED = "nothing_retained"
+    BELOW_THRESHOLD = "below_threshold"
+    EXPIRES_TOO_SOON = "expires_too_soon"
+    PULL_FAILED = "pull_failed"
+
+
+@dataclass(frozen=True)
+class RetainedMatch:
+    """A retained sequence whose leading blocks match the prompt's block hashes."""
+
+    retained: RetainedBlocks
+    matched_blocks: int
+
+
+@dataclass(frozen=True)
+class PrefixLookup:
+    """The index's answer for one prompt: cached leading tokens per prefill replica, and the
+    retained decode sequence sharing the longest prefix, if any."""
+
+    prefill_cached_tokens: dict[str, int] = field(default_factory=dict)
+    retained: RetainedMatch | None = None
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    prefill_replica_id: str
+    action: Action
+    reason: Reason
+    tokens_local: int
+    tokens_pullable: int
+    threshold: int
+    expires_in_s: float | None = None
+    pull: KVHandoff | None = None
+    """The decode blocks to read, cut to the full blocks inside the common prefix."""
+    retained: RetainedBlocks | None = None
+    """The retained sequence considered, pulled or not (so the router can release it)."""

@@ -1,0 +1,126 @@
+"""The turn loop: rendered prompt in, KV located, prefill run (pull or recompute), decode streamed,
+and what decode retained recorded for the next turn.
+
+    plan:    hashes ──▶ kv_index.lookup ──▶ decide() ──▶ RoutingDecision
+    prefill: PrefillRequest(pull?) ──▶ prefill replica ──▶ PrefillResult   (pull failed: recompute)
+    decode:  DecodeRequest(handoff) ──▶ decode replica ──▶ DecodeChunk…  ──▶ kv_index.record_*
+"""
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from app.config import AppConfig
+from app.decision import PullPolicy, choose_prefill_replica, decide
+from app.hashing import block_hashes
+from app.metrics import TurnMetrics
+from app.protocol import (Action, DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult, Reason,
+                          Role, RoutingDecision, SamplingSettings)
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class Turn:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    cache_salt: str
+    sampling: SamplingSettings
+
+
+@dataclass(frozen=True)
+class PreparedTurn:
+    """A turn whose prompt KV sits in a prefill replica, ready for decode."""
+
+    turn: Turn
+    decision: RoutingDecision
+    prefill: PrefillResult
+    hashes: list[int]
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.prefill.num_cached_tokens
+
+
+class TurnLoop:
+    def __init__(self, config: AppConfig, index: Any, prefill: Any, decode: Any, metrics: TurnMetrics,
+                 decision_log_size: int = 1000) -> None:
+        self.config = config
+        self.index, self.prefill_group, self.decode_group = index, prefill, decode
+        self.metrics = metrics
+        self.policy = PullPolicy(block_size=config.block_size, threshold_tokens=config.recompute_threshold_tokens,
+                                 expiry_margin_s=config.expiry_margin_s, enabled=config.reverse_pull)
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=decision_log_size)
+        self._turns = 0
+
+    async def prepare(self, turn: Turn) -> PreparedTurn:
+        hashes = block_hashes(list(turn.prompt_token_ids), self.config.block_size, turn.cache_salt)
+        decision = await self._plan(turn, hashes)
+        result, decision = await self._prefill(turn, decision)
+        self._log(turn, decision, result)
+        return PreparedTurn(turn=turn, decision=decision, prefill=result, hashes=hashes)
+
+    async def decode(self, prepared: PreparedTurn) -> AsyncIterator[DecodeChunk]:
+        turn = prepared.turn
+        request = DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=turn.prompt_token_ids,
+                                cache_salt=turn.cache_salt, sampling=turn.sampling,
+                                handoff=prepared.prefill.handoff)
+        async for chunk in self.decode_group.options(stream=True).decode.remote(request):
+            if chunk.retained is not None:
+                await self._record(prepared, chunk)
+            yield chunk
+
+    async def _plan(self, turn: Turn, hashes: list[int]) -> RoutingDecision:
+        lookup = await self.index.lookup.remote(hashes)
+        replicas = await self.index.replica_ids.remote(Role.PREFILL)
+        if not replicas:
+            raise RuntimeError("no prefill replica has registered with the KV index yet")
+        self._turns += 1
+        target = choose_prefill_replica(lookup, replicas, self._turns)
+        return decide(list(turn.prompt_token_ids), lookup, target, self.policy, time.time())
+
+    async def _prefill(self, turn: Turn, decision: RoutingDecision) -> tuple[PrefillResult, RoutingDecision]:
+        request = PrefillRequest(request_id=f"{turn.request_id}-p", prompt_token_ids=turn.prompt_token_ids,
+                                 cache_salt=turn.cache_salt, target_replica_id=decision.prefill_replica_id,
+                                 pull=decision.pull)
+        if decision.retained is not None and decision.action == Action.PULL:
+            # Reading frees every block of the retained sequence: it can serve one turn only.
+            await self.index.forget_retained.remote(
+                (decision.retained.replica_id, decision.retained.handoff.request_id))
+        try:
+            return await self.prefill_group.prefill.remote(request), decision
+        except Exception as exc:  # noqa: BLE001 - any failed pull falls back to recomputing
+            if decision.action != Action.PULL:
+                raise
+            logger.warning(json.dumps({"event": "kv_pull_failed", "request_id": turn.request_id,
+                                       "error": f"{type(exc).__name__}: {exc}"[:500]}))
+            fallback = replace(decision, action=Action.RECOMPUTE, reason=Reason.PULL_FAILED, pull=None)
+            retry = replace(request, request_id=f"{turn.request_id}-p2", pull=None)
+            return await self.prefill_group.prefill.remote(retry), fallback
+
+    async def _record(self, prepared: PreparedTurn, chunk: DecodeChunk) -> None:
+        retained = chunk.retained
+        prefill_hashes = self.index.record_prefill.remote(prepared.prefill.replica_id, prepared.hashes)
+        if self.config.reverse_pull:
+            await asyncio.gather(prefill_hashes, self.index.record_retained.remote(prepared.turn.cache_salt, retained))
+            return
+        # Without reverse pulls nothing will read decode's blocks: free them now, not at TTL.
+        await asyncio.gather(prefill_hashes, self.prefill_group.release.remote(retained.handoff))
+
+    def _log(self, turn: Turn, decision: RoutingDecision, result: PrefillResult) -> None:
+        pulled = decision.tokens_pullable - decision.tokens_local if decision.action == Action.PULL else 0
+        entry = {"event": "kv_decision", "request_id": turn.request_id, "time": time.time(),
+                 "prompt_tokens": len(turn.prompt_token_ids), "cached_tokens": result.num_cached_tokens,
+                 "pulled_tokens": pulled, "prefill_replica": result.replica_id,
+                 **{k: v for k, v in dataclasses.asdict(decision).items() if k not in ("pull", "retained")},
+                 "action": decision.action.value, "reason": decision.reason.value,
+                 "pull_source": decision.pull.source.engine_id if decision.pull else None}
+        self.decisions.append(entry)
+        logger.info(json.dumps(entry))
+        self.metrics.record_turn(decision, len(turn.prompt_token_ids), result.num_cached_tokens, pulled)

@@ -1,0 +1,112 @@
+"""The router: OpenAI-compatible HTTP ingress that runs each request through the turn loop.
+
+client ──HTTP──▶ here: render ──▶ TurnLoop(kv_index, prefill, decode) ──▶ SSE/JSON ──▶ client
+KV tensors never pass through here: only token ids and block metadata do.
+"""
+
+import asyncio
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from app.chat import BadRequest, PromptRenderer
+from app.config import AppConfig, TINY_MODEL
+from app.metrics import TurnMetrics, kv_bytes_per_token
+from app.model.tiny import ensure_tiny_model
+from app.openai_api import (ChatCompletionRequest, CompletionRequest, ResponseShape, GenerationRequest,
+                            error_body, sse, usage)
+from app.turn import PreparedTurn, Turn, TurnLoop
+
+DEFAULT_MAX_TOKENS = 256
+api = FastAPI(title="kv-loop")
+
+
+def _error(message: str, status: int) -> JSONResponse:
+    return JSONResponse(error_body(message, status), status_code=status)
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+    return _error(f"invalid request: {problems}", 400)
+
+
+@api.exception_handler(BadRequest)
+async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+    return _error(str(exc), 400)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class Router:
+    def __init__(self, config: AppConfig, index, prefill, decode) -> None:
+        if config.model == TINY_MODEL:
+            ensure_tiny_model(config.model_path())
+        self.config = config
+        self.renderer = PromptRenderer(config.model_path(), config.max_model_len)
+        metrics = TurnMetrics(kv_bytes_per_token(config.model_path()))
+        self.loop = TurnLoop(config, index, prefill, decode, metrics)
+
+    @api.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
+                                            "owned_by": "kv-loop", "max_model_len": self.config.max_model_len}]}
+
+    @api.get("/admin/decisions")
+    async def decisions(self, n: int = 100) -> list[dict[str, Any]]:
+        return list(self.loop.decisions)[-n:]
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
+        return await self._serve(body, self.renderer.chat(body), chat=True)
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, raw: Request):
+        return await self._serve(body, self.renderer.completion(body), chat=False)
+
+    async def _serve(self, body: GenerationRequest, prompt_ids: list[int], chat: bool):
+        if body.model and body.model != self.config.model_name:
+            return _error(f"the model {body.model!r} does not exist; this server serves "
+                          f"{self.config.model_name!r}", 404)
+        sampling = body.sampling(DEFAULT_MAX_TOKENS)
+        self.renderer.check_fits(prompt_ids, sampling.max_tokens)
+        turn = Turn(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                    prompt_token_ids=tuple(prompt_ids), cache_salt=self.config.tenant_salt, sampling=sampling)
+        prepared = await asyncio.wait_for(self.loop.prepare(turn), self.config.request_timeout_s)
+        shape = ResponseShape(turn.request_id, self.config.model_name, chat)
+        if body.stream:
+            return StreamingResponse(self._stream(prepared, shape, body), media_type="text/event-stream")
+        return await self._complete(prepared, shape, body)
+
+    async def _complete(self, prepared: PreparedTurn, shape: ResponseShape, body: GenerationRequest):
+        token_ids: list[int] = []
+        text, finish_reason = [], None
+        async for chunk in self.loop.decode(prepared):
+            token_ids.extend(chunk.token_ids)
+            text.append(chunk.text)
+            finish_reason = chunk.finish_reason or finish_reason
+        use = usage(len(prepared.turn.prompt_token_ids), len(token_ids), prepared.cached_tokens)
+        ids = token_ids if body.return_token_ids else None
+        prompt = list(prepared.turn.prompt_token_ids) if body.return_token_ids else None
+        return shape.full("".join(text), finish_reason, use, ids, prompt)
+
+    async def _stream(self, prepared: PreparedTurn, shape: ResponseShape, body: GenerationRequest):
+        generated = 0
+        try:
+            async for chunk in self.loop.decode(prepared):
+                generated += len(chunk.token_ids)
+                ids = list(chunk.token_ids) if body.return_token_ids else None
+                yield shape.chunk(chunk.text, chunk.finish_reason, ids)
+        except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band, then end the stream
+            yield sse(error_body(f"generation failed: {type(exc).__name__}", 500))
+        if body.include_usage:
+            yield shape.usage_chunk(usage(len(prepared.turn.prompt_token_ids), generated, prepared.cached_tokens))
+        yield sse("[DONE]")
