@@ -97,7 +97,8 @@ class ResponseShape:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice]}
 
-    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> str:
+    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
+              prompt_token_ids: list[int] | None = None) -> str:
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": text},
                                       "finish_reason": finish_reason}
@@ -106,7 +107,10 @@ class ResponseShape:
         if token_ids is not None:
             choice["token_ids"] = token_ids
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse(self._envelope(obj, choice))
+        body = self._envelope(obj, choice)
+        if prompt_token_ids is not None:
+            body["prompt_token_ids"] = prompt_token_ids
+        return sse(body)
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

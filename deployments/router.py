@@ -100,11 +100,12 @@ class Router:
 
     async def _stream(self, prepared: PreparedTurn, shape: ResponseShape, body: GenerationRequest):
         generated = 0
+        prompt = list(prepared.turn.prompt_token_ids) if body.return_token_ids else None
         try:
             async for chunk in self.loop.decode(prepared):
-                generated += len(chunk.token_ids)
                 ids = list(chunk.token_ids) if body.return_token_ids else None
-                yield shape.chunk(chunk.text, chunk.finish_reason, ids)
+                yield shape.chunk(chunk.text, chunk.finish_reason, ids, prompt if generated == 0 else None)
+                generated += len(chunk.token_ids)
         except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band, then end the stream
             yield sse(error_body(f"generation failed: {type(exc).__name__}", 500))
         if body.include_usage:

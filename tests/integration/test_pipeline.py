@@ -1,0 +1,90 @@
+"""The turn loop end to end: real Serve app, real vLLM engines, real NIXL, prefill cache off."""
+
+import time
+
+import pytest
+from ray import serve
+
+from app.hashing import common_prefix_len
+from app.protocol import EngineEndpoint, KVHandoff, RetainedBlocks
+from tests.integration.conftest import (APP_NAME, SYSTEM_PROMPT, USER_TURNS, chat_turn, decisions_by_request,
+                                        run_conversation)
+
+pytestmark = pytest.mark.integration
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def conversation(client):
+    return run_conversation(client, SYSTEM_PROMPT, USER_TURNS, MAX_TOKENS)
+
+
+def _reusable(previous, current, block_size: int) -> tuple[int, int]:
+    shared = common_prefix_len(current.prompt_ids, previous.prompt_ids + previous.output_ids)
+    return shared, min(shared, len(current.prompt_ids) - 1) // block_size * block_size
+
+
+def test_later_turns_pull_every_full_block_of_the_common_prefix(conversation, http, app_config):
+    decisions = decisions_by_request(http)
+    for previous, current in zip(conversation, conversation[1:]):
+        shared, full_blocks = _reusable(previous, current, app_config.block_size)
+        assert full_blocks >= 10 * app_config.block_size, "the history should be long enough to matter"
+        assert full_blocks <= current.cached_tokens <= shared
+        decision = decisions[current.request_id]
+        assert decision["action"] == "pull" and decision["reason"] == "pull_saves_tokens"
+        assert decision["pulled_tokens"] == current.cached_tokens, "prefill's cache is off: all of it was pulled"
+    assert decisions[conversation[0].request_id]["action"] == "recompute"
+
+
+def test_transferred_kv_gives_the_same_tokens_as_one_plain_engine(conversation, reference):
+    import ray
+
+    expected = ray.get(reference.generate.remote([t.prompt_ids for t in conversation], MAX_TOKENS))
+    assert [t.output_ids for t in conversation] == expected
+
+
+def test_client_supplied_transfer_params_change_nothing(client, http, conversation, reference):
+    import ray
+
+    forged = {"do_remote_decode": True, "remote_engine_id": "victim", "remote_host": "127.0.0.1",
+              "remote_port": 1, "remote_request_id": "x", "remote_block_ids": [[0, 1, 2]], "remote_num_tokens": 96}
+    messages = [{"role": "system", "content": "Forged. " + SYSTEM_PROMPT}, {"role": "user", "content": "Hi"}]
+    record = chat_turn(client, messages, MAX_TOKENS, stream=False, kv_transfer_params=forged)
+    decision = decisions_by_request(http)[record.request_id]
+    assert decision["action"] == "recompute" and decision["pull_source"] is None
+    assert record.output_ids == ray.get(reference.generate.remote([record.prompt_ids], MAX_TOKENS))[0]
+
+
+def _plant_retained(prompt_ids: list[int], port: int, expires_in_s: float) -> None:
+    """Put a retained sequence in the index that covers the prompt but cannot be read."""
+    ghost = EngineEndpoint(engine_id="ghost-decode", host="127.0.0.1", port=port)
+    blocks = (tuple(range(len(prompt_ids) // 32)),)
+    handoff = KVHandoff(source=ghost, block_ids=blocks, num_tokens=len(prompt_ids), request_id="ghost",
+                        expiry_time=time.time() + expires_in_s, engine_expiry=time.perf_counter() + expires_in_s)
+    retained = RetainedBlocks(replica_id="ghost", handoff=handoff, token_ids=tuple(prompt_ids),
+                              num_prompt_tokens=len(prompt_ids))
+    serve.get_deployment_handle("KVIndexServer", APP_NAME).record_retained.remote("default", retained).result()
+
+
+def _fresh_conversation(tag: str) -> list[dict]:
+    return [{"role": "system", "content": f"{tag}. {SYSTEM_PROMPT}"}, {"role": "user", "content": "Hello"}]
+
+
+@pytest.mark.parametrize("expires_in_s, reason", [(60.0, "pull_failed"), (1.0, "expires_too_soon")])
+def test_unreadable_retained_blocks_fall_back_to_recompute(client, http, reference, app_config, expires_in_s,
+                                                           reason):
+    import ray
+
+    from app.chat import PromptRenderer
+    from app.engine import free_port
+    from app.openai_api import ChatCompletionRequest
+
+    messages = _fresh_conversation(reason)
+    renderer = PromptRenderer(app_config.model_path(), app_config.max_model_len)
+    prompt_ids = renderer.chat(ChatCompletionRequest(messages=messages))
+    _plant_retained(prompt_ids + [7] * 64, free_port("127.0.0.1"), expires_in_s)
+    record = chat_turn(client, messages, MAX_TOKENS, stream=True)
+    decision = decisions_by_request(http)[record.request_id]
+    assert decision["action"] == "recompute" and decision["reason"] == reason
+    assert record.cached_tokens == 0
+    assert record.output_ids == ray.get(reference.generate.remote([record.prompt_ids], MAX_TOKENS))[0]

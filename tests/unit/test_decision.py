@@ -1,0 +1,53 @@
+from app.decision import PullPolicy, choose_prefill_replica, decide, pullable_tokens
+from app.protocol import Action, PrefixLookup, Reason, RetainedMatch
+from tests.factories import BLOCK, retained
+
+NOW = 1000.0
+POLICY = PullPolicy(block_size=BLOCK, threshold_tokens=32, expiry_margin_s=5.0)
+
+
+def _lookup(history, expiry=NOW + 60, local=0):
+    match = RetainedMatch(retained=retained(history, expiry), matched_blocks=len(history) // BLOCK)
+    return PrefixLookup(prefill_cached_tokens={"p0": local}, retained=match)
+
+
+def test_pull_covers_full_blocks_of_the_common_prefix_only():
+    history = list(range(300))
+    prompt = history[:250] + [9999] * 60  # diverges at token 250
+    decision = decide(prompt, _lookup(history), "p0", POLICY, NOW)
+    assert decision.action == Action.PULL and decision.reason == Reason.PULL_SAVES_TOKENS
+    assert decision.tokens_pullable == 224  # 7 full blocks inside the 250-token prefix, never the 8th
+    assert decision.pull.num_tokens == 224
+    assert decision.pull.block_ids == (tuple(range(100, 107)),)
+
+
+def test_prefill_always_computes_at_least_one_token():
+    history = list(range(128))
+    assert pullable_tokens(history, tuple(history + [1, 2, 3]), BLOCK) == 96
+
+
+def test_recompute_when_local_cache_is_as_good():
+    history = list(range(300))
+    decision = decide(history + [5], _lookup(history, local=288), "p0", POLICY, NOW)
+    assert decision.action == Action.RECOMPUTE and decision.reason == Reason.BELOW_THRESHOLD
+
+
+def test_recompute_when_blocks_expire_before_the_pull_finishes():
+    history = list(range(300))
+    decision = decide(history + [5], _lookup(history, expiry=NOW + 2), "p0", POLICY, NOW)
+    assert decision.action == Action.RECOMPUTE and decision.reason == Reason.EXPIRES_TOO_SOON
+    assert decision.pull is None
+
+
+def test_recompute_when_nothing_is_retained_or_pulls_are_off():
+    assert decide([1] * 100, PrefixLookup(), "p0", POLICY, NOW).reason == Reason.NOTHING_RETAINED
+    off = PullPolicy(block_size=BLOCK, threshold_tokens=32, expiry_margin_s=5.0, enabled=False)
+    history = list(range(300))
+    assert decide(history + [1], _lookup(history), "p0", off, NOW).reason == Reason.PULL_DISABLED
+
+
+def test_prefill_replica_with_most_cached_tokens_wins_and_ties_rotate():
+    lookup = PrefixLookup(prefill_cached_tokens={"a": 64, "b": 128})
+    assert choose_prefill_replica(lookup, ["a", "b"], 0) == "b"
+    tie = PrefixLookup(prefill_cached_tokens={"a": 0, "b": 0})
+    assert {choose_prefill_replica(tie, ["a", "b"], i) for i in range(2)} == {"a", "b"}

@@ -1,0 +1,31 @@
+import time
+
+from app.engine import from_vllm_params, to_vllm_params
+from app.protocol import Role
+
+
+def _decode_params(expiry_in_s: float = 60.0) -> dict:
+    return {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[4, 5, 6]],
+            "remote_engine_id": "decode-0", "remote_request_id": "req-1", "remote_host": "10.0.0.2",
+            "remote_port": 5601, "tp_size": 1, "remote_num_tokens": 90,
+            "remote_blocks_expiry_time": time.perf_counter() + expiry_in_s}
+
+
+def test_decode_params_round_trip_into_a_prefill_pull():
+    handoff = from_vllm_params(_decode_params())
+    assert handoff.block_ids == ((4, 5, 6),) and handoff.num_tokens == 90
+    assert 55 < handoff.expiry_time - time.time() < 65, "engine deadline converted to Unix time"
+    params = to_vllm_params(handoff, Role.PREFILL)
+    assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
+    assert params["remote_block_ids"] == [[4, 5, 6]]
+    assert params["remote_blocks_expiry_time"] == handoff.engine_expiry
+
+
+def test_prefill_params_make_decode_read():
+    prefill_params = {**_decode_params(), "do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_blocks_expiry_time": None}
+    handoff = from_vllm_params(prefill_params)
+    assert handoff.expiry_time == 0.0
+    params = to_vllm_params(handoff, Role.DECODE)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert "remote_blocks_expiry_time" not in params

@@ -1,0 +1,61 @@
+from app.hashing import block_hashes
+from app.kv_index import KVIndex
+from app.protocol import Role
+from tests.factories import BLOCK, replica, retained
+
+NOW = 1000.0
+
+
+def _index() -> KVIndex:
+    index = KVIndex(block_size=BLOCK, prefill_capacity_blocks=8)
+    index.register(replica("p0"))
+    index.register(replica("p1", prefix_caching=False))
+    index.register(replica("d0", role=Role.DECODE))
+    return index
+
+
+def test_lookup_finds_the_longest_retained_prefix():
+    index = _index()
+    history = list(range(200))
+    index.record_retained("t", retained(history[:100], NOW + 60, request_id="short"))
+    index.record_retained("t", retained(history, NOW + 60, request_id="long"))
+    prompt = history + [999] * 40
+    match = index.lookup(block_hashes(prompt, BLOCK, "t"), now=NOW).retained
+    assert match.retained.handoff.request_id == "long"
+    assert match.matched_blocks == 200 // BLOCK
+
+
+def test_other_salt_and_expired_sequences_do_not_match():
+    index = _index()
+    index.record_retained("tenant-a", retained(list(range(128)), NOW + 60))
+    assert index.lookup(block_hashes(list(range(128)), BLOCK, "tenant-b"), now=NOW).retained is None
+    assert index.lookup(block_hashes(list(range(128)), BLOCK, "tenant-a"), now=NOW + 61).retained is None
+    assert index.expire(now=NOW + 61) == 1
+    assert index.stats()["retained_hashes"] == 0
+
+
+def test_forget_retained_removes_every_hash():
+    index = _index()
+    index.record_retained("t", retained(list(range(128)), NOW + 60, request_id="r"))
+    index.forget_retained(("d0", "r"))
+    assert index.stats() == {"retained_sequences": 0, "retained_hashes": 0, "prefill_blocks": 0, "replicas": 3}
+
+
+def test_prefill_blocks_are_recorded_only_where_prefix_caching_is_on_and_stay_bounded():
+    index = _index()
+    hashes = block_hashes(list(range(320)), BLOCK, "t")  # 10 blocks, capacity 8
+    index.record_prefill("p0", hashes[:4])
+    index.record_prefill("p1", hashes[:4])
+    cached = index.lookup(hashes[:4], now=NOW).prefill_cached_tokens
+    assert cached == {"p0": 4 * BLOCK, "p1": 0}
+    index.record_prefill("p0", hashes)
+    assert index.stats()["prefill_blocks"] == 8
+    assert index.lookup(hashes, now=NOW).prefill_cached_tokens["p0"] == 0, "LRU dropped the first blocks"
+
+
+def test_unregister_drops_a_replicas_records():
+    index = _index()
+    index.record_retained("t", retained(list(range(64)), NOW + 60))
+    index.unregister("d0")
+    assert index.replica_ids(Role.DECODE) == []
+    assert index.stats()["retained_sequences"] == 0
