@@ -71,6 +71,8 @@ class AppConfig:
     """How long decode keeps a finished sequence's blocks for the next turn (think time)."""
     expiry_margin_s: float = 5.0
     """Decline retained blocks that expire sooner than this: the pull must finish first."""
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    """NIXL transfer backends: UCX here; LIBFABRIC on EFA nodes."""
     nixl_poll_delay_us: int = 100
     """NIXL progress-thread sleep between polls; NIXL's own 0 spins a core per engine."""
     bind_engine_cores: bool = True
@@ -148,6 +150,8 @@ def _coerce(value: Any, default: Any, name: str) -> Any:
     try:
         if isinstance(default, enum.Enum):
             return type(default)(value)
+        if isinstance(default, tuple) and isinstance(value, list):
+            return tuple(value)
         if not isinstance(value, str) or isinstance(default, str):
             return value
         if isinstance(default, bool):
@@ -156,6 +160,8 @@ def _coerce(value: Any, default: Any, name: str) -> Any:
             return _BOOLEANS[value.lower()]
         if isinstance(default, Mapping):
             return yaml.safe_load(value)
+        if isinstance(default, tuple):
+            return tuple(value.split(","))
         return type(default)(value)
     except ValueError as exc:
         raise ValueError(f"config key {name}: {exc}") from None

@@ -31,10 +31,13 @@ def cut_handoff(handoff: KVHandoff, num_tokens: int, block_size: int) -> KVHando
                    num_tokens=num_tokens)
 
 
-def choose_prefill_replica(lookup: PrefixLookup, replica_ids: list[str], turn_counter: int) -> str:
+def choose_prefill_replica(lookup: PrefixLookup, turn_counter: int) -> str:
     """The replica with the most cached leading tokens; ties rotate so load spreads."""
-    best = max(lookup.prefill_cached_tokens.get(r, 0) for r in replica_ids)
-    tied = [r for r in replica_ids if lookup.prefill_cached_tokens.get(r, 0) == best]
+    cached = lookup.prefill_cached_tokens
+    if not cached:
+        raise RuntimeError("no prefill replica has registered with the KV index yet")
+    best = max(cached.values())
+    tied = sorted(r for r, n in cached.items() if n == best)
     return tied[turn_counter % len(tied)]
 
 

@@ -62,6 +62,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         kv_buffer_device=config.device.value, kv_load_failure_policy="fail",
         kv_connector_extra_config={
             "bidirectional_kv_xfer": True,
+            "backends": list(config.nixl_backends),
             # The router decides pull vs recompute; the engine must not second-guess it.
             "kv_recompute_threshold": 0,
             "decoder_kv_blocks_ttl": config.retention_ttl_s,

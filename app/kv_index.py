@@ -93,7 +93,8 @@ class KVIndex:
 
     def _prefill_cached_tokens(self, hashes: list[int]) -> dict[str, int]:
         cached = {}
-        for replica_id, blocks in self._prefill_blocks.items():
+        for replica_id in self.replica_ids(Role.PREFILL):
+            blocks = self._prefill_blocks[replica_id]
             n = 0
             while n < len(hashes) and hashes[n] in blocks:
                 n += 1

@@ -53,6 +53,8 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool = False
     return_token_ids: bool = False
     """vLLM's extension: include prompt and generated token ids in the response."""
+    reverse_pull: bool | None = None
+    """This project's extension: false switches the reverse KV pull off for this request only."""
 
     def sampling(self, default_max_tokens: int) -> SamplingSettings:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

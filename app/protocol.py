@@ -138,6 +138,7 @@ class PrefixLookup:
     retained decode sequence sharing the longest prefix, if any."""
 
     prefill_cached_tokens: dict[str, int] = field(default_factory=dict)
+    """Leading tokens each registered prefill replica is believed to hold (0 for most)."""
     retained: RetainedMatch | None = None
 
 

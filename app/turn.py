@@ -21,7 +21,7 @@ from app.decision import PullPolicy, choose_prefill_replica, decide
 from app.hashing import block_hashes
 from app.metrics import TurnMetrics
 from app.protocol import (Action, DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult, Reason,
-                          Role, RoutingDecision, SamplingSettings)
+                          RoutingDecision, SamplingSettings)
 
 logger = logging.getLogger("ray.serve")
 
@@ -32,6 +32,7 @@ class Turn:
     prompt_token_ids: tuple[int, ...]
     cache_salt: str
     sampling: SamplingSettings
+    reverse_pull: bool = True
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,13 @@ class TurnLoop:
 
     async def prepare(self, turn: Turn) -> PreparedTurn:
         hashes = block_hashes(list(turn.prompt_token_ids), self.config.block_size, turn.cache_salt)
+        started = time.perf_counter()
         decision = await self._plan(turn, hashes)
+        planned = time.perf_counter()
         result, decision = await self._prefill(turn, decision)
-        self._log(turn, decision, result)
+        timings = {"plan_ms": round((planned - started) * 1e3, 2),
+                   "prefill_ms": round((time.perf_counter() - planned) * 1e3, 2)}
+        self._log(turn, decision, result, timings)
         return PreparedTurn(turn=turn, decision=decision, prefill=result, hashes=hashes)
 
     async def decode(self, prepared: PreparedTurn) -> AsyncIterator[DecodeChunk]:
@@ -78,12 +83,10 @@ class TurnLoop:
 
     async def _plan(self, turn: Turn, hashes: list[int]) -> RoutingDecision:
         lookup = await self.index.lookup.remote(hashes)
-        replicas = await self.index.replica_ids.remote(Role.PREFILL)
-        if not replicas:
-            raise RuntimeError("no prefill replica has registered with the KV index yet")
         self._turns += 1
-        target = choose_prefill_replica(lookup, replicas, self._turns)
-        return decide(list(turn.prompt_token_ids), lookup, target, self.policy, time.time())
+        target = choose_prefill_replica(lookup, self._turns)
+        policy = self.policy if turn.reverse_pull else replace(self.policy, enabled=False)
+        return decide(list(turn.prompt_token_ids), lookup, target, policy, time.time())
 
     async def _prefill(self, turn: Turn, decision: RoutingDecision) -> tuple[PrefillResult, RoutingDecision]:
         request = PrefillRequest(request_id=f"{turn.request_id}-p", prompt_token_ids=turn.prompt_token_ids,
@@ -91,7 +94,8 @@ class TurnLoop:
                                  pull=decision.pull)
         if decision.retained is not None and decision.action == Action.PULL:
             # Reading frees every block of the retained sequence: it can serve one turn only.
-            await self.index.forget_retained.remote(
+            # Not awaited: the index applies it in order, and this turn need not wait.
+            self.index.forget_retained.remote(
                 (decision.retained.replica_id, decision.retained.handoff.request_id))
         try:
             return await self.prefill_group.prefill.remote(request), decision
@@ -107,20 +111,20 @@ class TurnLoop:
     async def _record(self, prepared: PreparedTurn, chunk: DecodeChunk) -> None:
         retained = chunk.retained
         prefill_hashes = self.index.record_prefill.remote(prepared.prefill.replica_id, prepared.hashes)
-        if self.config.reverse_pull:
+        if prepared.turn.reverse_pull:
             await asyncio.gather(prefill_hashes, self.index.record_retained.remote(prepared.turn.cache_salt, retained))
             return
         # Without reverse pulls nothing will read decode's blocks: free them now, not at TTL.
         await asyncio.gather(prefill_hashes, self.prefill_group.release.remote(retained.handoff))
 
-    def _log(self, turn: Turn, decision: RoutingDecision, result: PrefillResult) -> None:
+    def _log(self, turn: Turn, decision: RoutingDecision, result: PrefillResult, timings: dict[str, float]) -> None:
         pulled = decision.tokens_pullable - decision.tokens_local if decision.action == Action.PULL else 0
         entry = {"event": "kv_decision", "request_id": turn.request_id, "time": time.time(),
                  "prompt_tokens": len(turn.prompt_token_ids), "cached_tokens": result.num_cached_tokens,
                  "pulled_tokens": pulled, "prefill_replica": result.replica_id,
                  **{k: v for k, v in dataclasses.asdict(decision).items() if k not in ("pull", "retained")},
                  "action": decision.action.value, "reason": decision.reason.value,
-                 "pull_source": decision.pull.source.engine_id if decision.pull else None}
+                 "pull_source": decision.pull.source.engine_id if decision.pull else None, **timings}
         self.decisions.append(entry)
         logger.info(json.dumps(entry))
         self.metrics.record_turn(decision, len(turn.prompt_token_ids), result.num_cached_tokens, pulled)

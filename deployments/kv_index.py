@@ -9,7 +9,7 @@ from ray import serve
 
 from app.config import AppConfig
 from app.kv_index import KVIndex, SequenceKey
-from app.protocol import PrefixLookup, ReplicaInfo, RetainedBlocks, Role
+from app.protocol import PrefixLookup, ReplicaInfo, RetainedBlocks
 
 EXPIRE_EVERY_S = 5.0
 
@@ -27,9 +27,6 @@ class KVIndexServer:
 
     def register(self, info: ReplicaInfo) -> None:
         self.index.register(info)
-
-    def replica_ids(self, role: Role) -> list[str]:
-        return self.index.replica_ids(role)
 
     def lookup(self, hashes: list[int]) -> PrefixLookup:
         return self.index.lookup(hashes)

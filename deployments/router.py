@@ -79,7 +79,8 @@ class Router:
         sampling = body.sampling(DEFAULT_MAX_TOKENS)
         self.renderer.check_fits(prompt_ids, sampling.max_tokens)
         turn = Turn(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                    prompt_token_ids=tuple(prompt_ids), cache_salt=self.config.tenant_salt, sampling=sampling)
+                    prompt_token_ids=tuple(prompt_ids), cache_salt=self.config.tenant_salt, sampling=sampling,
+                    reverse_pull=self.config.reverse_pull and body.reverse_pull is not False)
         prepared = await asyncio.wait_for(self.loop.prepare(turn), self.config.request_timeout_s)
         shape = ResponseShape(turn.request_id, self.config.model_name, chat)
         if body.stream:

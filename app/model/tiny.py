@@ -45,6 +45,11 @@ CHAT_TEMPLATE = (
 )
 
 
+def corpus_lines() -> list[str]:
+    """The text the tokenizer is trained on; benchmarks build prompts from it too."""
+    return (Path(__file__).parent / "corpus.txt").read_text().splitlines()
+
+
 def ensure_tiny_model(folder: Path) -> Path:
     """Build the model into `folder` unless a complete build is there; safe across processes."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -73,8 +78,7 @@ def _build_tokenizer():
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=TARGET_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    corpus = (Path(__file__).parent / "corpus.txt").read_text().splitlines()
-    bpe.train_from_iterator(corpus, trainer=trainer)
+    bpe.train_from_iterator(corpus_lines(), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=SPECIAL_TOKENS[1:], chat_template=CHAT_TEMPLATE,

@@ -6,33 +6,19 @@ engine without disaggregation: the oracle for generated token ids.
 """
 
 import os
-import socket
-from dataclasses import dataclass
 
 import httpx
 import pytest
 import ray
 from openai import OpenAI
-from ray import serve
 
+from app.client import TurnResult, chat_turn
 from app.config import load_config
-from app.graph import build_graph
-from app.model.tiny import ensure_tiny_model
-
-APP_NAME = "kvloop"
+from app.launch import APP_NAME, start_local, stop_local
 SYSTEM_PROMPT = "You are a helpful assistant. " + " ".join(
     f"Rule {i}: the router keeps an index of which replica holds which blocks, and until when." for i in range(30))
 USER_TURNS = ["What is the capital of France?", "Summarise section two.", "List the risks.",
               "Explain the trade off."]
-
-
-@dataclass
-class TurnRecord:
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    cached_tokens: int
 
 
 @ray.remote(num_cpus=0)
@@ -54,12 +40,6 @@ class ReferenceEngine:
         return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def app_config(tmp_path_factory):
     return load_config({"model_cache_dir": str(tmp_path_factory.mktemp("models")),
@@ -68,14 +48,8 @@ def app_config(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def base_url(app_config):
-    ensure_tiny_model(app_config.model_path())
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_graph(app_config), name=APP_NAME, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    yield start_local(app_config)
+    stop_local()
 
 
 @pytest.fixture(scope="session")
@@ -100,26 +74,8 @@ def decisions_by_request(http) -> dict[str, dict]:
     return {d["request_id"]: d for d in http.get("/admin/decisions", params={"n": 1000}).json()}
 
 
-def chat_turn(client: OpenAI, messages: list[dict], max_tokens: int, stream: bool, **extra) -> TurnRecord:
-    """One chat request with greedy decoding; token ids come back through vLLM's return_token_ids."""
-    body = {"return_token_ids": True, "ignore_eos": True, **extra}
-    kwargs = dict(model="tiny-qwen3", messages=messages, max_tokens=max_tokens, temperature=0, extra_body=body)
-    if not stream:
-        response = client.chat.completions.create(**kwargs).model_dump()
-        choice = response["choices"][0]
-        return TurnRecord(response["id"], response["prompt_token_ids"], choice["token_ids"],
-                          choice["message"]["content"], response["usage"]["prompt_tokens_details"]["cached_tokens"])
-    chunks = [c.model_dump() for c in client.chat.completions.create(
-        **kwargs, stream=True, stream_options={"include_usage": True})]
-    deltas = [c for c in chunks if c["choices"]]
-    return TurnRecord(chunks[0]["id"], chunks[0]["prompt_token_ids"],
-                      [t for c in deltas for t in c["choices"][0]["token_ids"]],
-                      "".join(c["choices"][0]["delta"]["content"] or "" for c in deltas),
-                      chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
 def run_conversation(client: OpenAI, system_prompt: str, user_turns: list[str], max_tokens: int = 24,
-                     **extra) -> list[TurnRecord]:
+                     **extra) -> list[TurnResult]:
     """Replay a conversation faithfully, alternating streaming and non-streaming turns."""
     messages = [{"role": "system", "content": system_prompt}]
     records = []

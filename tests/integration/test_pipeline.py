@@ -7,8 +7,9 @@ from ray import serve
 
 from app.hashing import common_prefix_len
 from app.protocol import EngineEndpoint, KVHandoff, RetainedBlocks
-from tests.integration.conftest import (APP_NAME, SYSTEM_PROMPT, USER_TURNS, chat_turn, decisions_by_request,
-                                        run_conversation)
+from app.client import chat_turn
+from app.launch import APP_NAME
+from tests.integration.conftest import SYSTEM_PROMPT, USER_TURNS, decisions_by_request, run_conversation
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 24

@@ -48,6 +48,6 @@ def test_recompute_when_nothing_is_retained_or_pulls_are_off():
 
 def test_prefill_replica_with_most_cached_tokens_wins_and_ties_rotate():
     lookup = PrefixLookup(prefill_cached_tokens={"a": 64, "b": 128})
-    assert choose_prefill_replica(lookup, ["a", "b"], 0) == "b"
+    assert choose_prefill_replica(lookup, 0) == "b"
     tie = PrefixLookup(prefill_cached_tokens={"a": 0, "b": 0})
-    assert {choose_prefill_replica(tie, ["a", "b"], i) for i in range(2)} == {"a", "b"}
+    assert {choose_prefill_replica(tie, i) for i in range(2)} == {"a", "b"}

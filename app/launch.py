@@ -1,0 +1,37 @@
+"""Start the graph on a local Ray for tests, benchmarks and notebooks: `start_local(config)` -> URL."""
+
+import socket
+
+from app.config import AppConfig
+from app.graph import build_graph
+from app.model.tiny import ensure_tiny_model
+
+APP_NAME = "kvloop"
+
+
+def free_local_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_local(config: AppConfig, num_cpus: int = 4) -> str:
+    """Ray with logical CPUs enough for the engine bundles, Serve on a free loopback port."""
+    import ray
+    from ray import serve
+
+    if config.model == "tiny-qwen3":
+        ensure_tiny_model(config.model_path())
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    port = free_local_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_graph(config), name=APP_NAME, route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def stop_local() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()

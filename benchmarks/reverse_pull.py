@@ -1,0 +1,92 @@
+"""Later-turn TTFT with the reverse pull against recomputing the history, in one run.
+
+Two copies of the same conversation (a unique nonce in each first block) run interleaved turn by
+turn on one app whose prefill cache is off (cache loss): one with reverse pulls, one with
+`reverse_pull: false` per request. Prints TTFT per turn and the recompute/pull ratio.
+
+    python benchmarks/reverse_pull.py                  # starts the embedded default itself
+    python benchmarks/reverse_pull.py --url http://host:8000 --model NAME
+"""
+
+import argparse
+import statistics
+import uuid
+
+import httpx
+from openai import OpenAI
+
+from app.client import TurnResult, chat_turn
+from app.config import load_config
+
+
+def system_prompt(tokenizer, target_tokens: int, nonce: str) -> str:
+    from app.model.tiny import corpus_lines
+
+    lines, text = corpus_lines(), f"[session {nonce}]\n"
+    while len(tokenizer.encode(text)) < target_tokens:
+        text += lines[len(text) % len(lines)] + "\n"
+    return text
+
+
+def run_pair(client: OpenAI, model: str, prompt: str, turns: int, reply_tokens: int) -> dict[str, list[TurnResult]]:
+    results: dict[str, list[TurnResult]] = {"pull": [], "recompute": []}
+    histories = {mode: [{"role": "system", "content": f"{mode}:{prompt}"}] for mode in results}
+    for k in range(turns):
+        for mode, messages in histories.items():
+            messages.append({"role": "user", "content": f"Question {k}: explain the trade off of step {k}."})
+            result = chat_turn(client, messages, reply_tokens, model=model, reverse_pull=mode == "pull")
+            messages.append({"role": "assistant", "content": result.text})
+            results[mode].append(result)
+    return results
+
+
+def report(runs: list[dict[str, list[TurnResult]]], turns: int, prefill_ms: dict[str, float]) -> None:
+    """TTFT as the client sees it, and the prefill stage alone (from the router's decision log)."""
+    def median_ms(mode: str, k: int, stage: bool = False) -> float:
+        return statistics.median(prefill_ms[r[mode][k].request_id] if stage else r[mode][k].ttft_s * 1e3
+                                 for r in runs)
+
+    print(f"{'turn':>4} {'prompt':>7} {'pulled':>7} | {'TTFT ms: pull':>13} {'recompute':>9} {'ratio':>6} | "
+          f"{'prefill ms: pull':>16} {'recompute':>9} {'ratio':>6}")
+    ratios = []
+    for k in range(turns):
+        first = runs[0]["pull"][k]
+        ttft = median_ms("pull", k), median_ms("recompute", k)
+        stage = median_ms("pull", k, True), median_ms("recompute", k, True)
+        print(f"{k + 1:>4} {first.prompt_tokens:>7} {first.cached_tokens:>7} | {ttft[0]:>13.1f} {ttft[1]:>9.1f} "
+              f"{ttft[1] / ttft[0]:>5.2f}x | {stage[0]:>16.1f} {stage[1]:>9.1f} {stage[1] / stage[0]:>5.2f}x")
+        if k:
+            ratios.append((ttft[1] / ttft[0], stage[1] / stage[0]))
+    print(f"later turns, median ratio recompute/pull: TTFT {statistics.median(r[0] for r in ratios):.2f}x, "
+          f"prefill stage {statistics.median(r[1] for r in ratios):.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="a running app; default: start the embedded default locally")
+    parser.add_argument("--model", default="tiny-qwen3")
+    parser.add_argument("--system-tokens", type=int, default=1400)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--reply-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    config = load_config({"prefill.prefix_caching": "false"})
+    url = args.url
+    if url is None:
+        from app.launch import start_local
+
+        url = start_local(config)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(config.model_path()))
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    chat_turn(client, [{"role": "user", "content": "warm up"}], 4, model=args.model)
+    runs = [run_pair(client, args.model, system_prompt(tokenizer, args.system_tokens, uuid.uuid4().hex),
+                     args.turns, args.reply_tokens) for _ in range(args.repeats)]
+    decisions = httpx.get(f"{url}/admin/decisions", params={"n": 10_000}).json()
+    report(runs, args.turns, {d["request_id"]: d["prefill_ms"] for d in decisions})
+
+
+if __name__ == "__main__":
+    main()
