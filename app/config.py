@@ -8,9 +8,10 @@ Validated once, when the graph is built; replicas receive the frozen object.
 import dataclasses
 import enum
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 

@@ -6,7 +6,7 @@ is never read: only the router's own records decide what is pulled from where.
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 

@@ -20,8 +20,16 @@ from app.config import AppConfig
 from app.decision import PullPolicy, choose_prefill_replica, decide
 from app.hashing import block_hashes
 from app.metrics import TurnMetrics
-from app.protocol import (Action, DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult, Reason,
-                          RoutingDecision, SamplingSettings)
+from app.protocol import (
+    Action,
+    DecodeChunk,
+    DecodeRequest,
+    PrefillRequest,
+    PrefillResult,
+    Reason,
+    RoutingDecision,
+    SamplingSettings,
+)
 
 logger = logging.getLogger("ray.serve")
 

@@ -6,7 +6,7 @@ config ──▶ Engine(role, rank) ──ReplicaInfo──▶ kv_index
 import ray
 from ray import serve
 
-from app.config import AppConfig, TINY_MODEL
+from app.config import TINY_MODEL, AppConfig
 from app.engine import Engine
 from app.model.tiny import ensure_tiny_model
 from app.protocol import ReplicaInfo, Role

@@ -14,11 +14,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from app.chat import BadRequest, PromptRenderer
-from app.config import AppConfig, TINY_MODEL
+from app.config import TINY_MODEL, AppConfig
 from app.metrics import TurnMetrics, kv_bytes_per_token
 from app.model.tiny import ensure_tiny_model
-from app.openai_api import (ChatCompletionRequest, CompletionRequest, ResponseShape, GenerationRequest,
-                            error_body, sse, usage)
+from app.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    ResponseShape,
+    error_body,
+    sse,
+    usage,
+)
 from app.turn import PreparedTurn, Turn, TurnLoop
 
 DEFAULT_MAX_TOKENS = 256

@@ -14,7 +14,8 @@ from openai import OpenAI
 
 from app.client import TurnResult, chat_turn
 from app.config import load_config
-from app.launch import APP_NAME, start_local, stop_local
+from app.launch import start_local, stop_local
+
 SYSTEM_PROMPT = "You are a helpful assistant. " + " ".join(
     f"Rule {i}: the router keeps an index of which replica holds which blocks, and until when." for i in range(30))
 USER_TURNS = ["What is the capital of France?", "Summarise section two.", "List the risks.",

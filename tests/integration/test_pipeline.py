@@ -5,10 +5,10 @@ import time
 import pytest
 from ray import serve
 
-from app.hashing import common_prefix_len
-from app.protocol import EngineEndpoint, KVHandoff, RetainedBlocks
 from app.client import chat_turn
+from app.hashing import common_prefix_len
 from app.launch import APP_NAME
+from app.protocol import EngineEndpoint, KVHandoff, RetainedBlocks
 from tests.integration.conftest import SYSTEM_PROMPT, USER_TURNS, decisions_by_request, run_conversation
 
 pytestmark = pytest.mark.integration
