@@ -1,12 +1,19 @@
 """Prompt rendering: OpenAI messages or text ──chat template/tokenizer──▶ prompt token ids.
 
 The router renders once and sends token ids onward, so prefill, decode and the KV index all see
-exactly the same sequence.
+exactly the same sequence. Two ways to render a chat turn:
+- template: the whole conversation through the model's chat template;
+- append:   a previous turn's recorded tokens, then the template's rendering of the new messages
+            only (found by rendering the conversation with a sentinel as the last reply's text).
 """
 
 from pathlib import Path
+from typing import Any
 
-from app.openai_api import ChatCompletionRequest, CompletionRequest
+from app.conversations import ConversationRecord
+from app.openai_api import CompletionRequest
+
+SENTINEL = "\u2063KVLOOP-REPLY-END\u2063"
 
 
 class BadRequest(ValueError):
@@ -20,14 +27,34 @@ class PromptRenderer:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.max_model_len = max_model_len
 
-    def chat(self, request: ChatCompletionRequest) -> list[int]:
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in request.messages]
+    def _render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      **request.chat_template_kwargs)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **template_kwargs)
         except Exception as exc:  # noqa: BLE001 - template errors are the client's messages' fault
             raise BadRequest(f"could not render messages with the chat template: {exc}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        return self.tokenizer.encode(self._render(messages, template_kwargs), add_special_tokens=False)
+
+    def append(self, record: ConversationRecord, messages: list[dict[str, Any]], last_assistant: int,
+               template_kwargs: dict[str, Any]) -> list[int] | None:
+        """The record's tokens followed by the rendering of everything after the last reply;
+        None when the template does not render that reply verbatim (then render from scratch)."""
+        marked = [*messages[:last_assistant], {"role": "assistant", "content": SENTINEL},
+                  *messages[last_assistant + 1:]]
+        text = self._render(marked, template_kwargs)
+        if text.count(SENTINEL) != 1:
+            return None
+        tail = text.split(SENTINEL, 1)[1]
+        eos = self.tokenizer.eos_token
+        if eos and record.token_ids and record.token_ids[-1] == self.tokenizer.eos_token_id and tail.startswith(eos):
+            tail = tail[len(eos):]  # the reply already ends with the end-of-turn token it generated
+        return [*record.token_ids, *self.tokenizer.encode(tail, add_special_tokens=False)]
+
+    def token_id(self, token: str) -> int | None:
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        return token_id if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id else None
 
     def completion(self, request: CompletionRequest) -> list[int]:
         if isinstance(request.prompt, list):

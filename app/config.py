@@ -78,10 +78,16 @@ class AppConfig:
     """NIXL progress-thread sleep between polls; NIXL's own 0 spins a core per engine."""
     bind_engine_cores: bool = True
     """Pin each CPU engine's OpenMP threads to its own core (VLLM_CPU_OMP_THREADS_BIND)."""
+    conversation_mode: str = "preserve"
+    """preserve: append each turn to the previous turn's exact tokens; template: re-render history."""
+    conversation_ttl_s: float = 1800.0
+    """How long a finished turn's record can serve the next turn."""
+    max_conversations: int = 100_000
+    """Records kept per router replica (LRU beyond that)."""
     router_replicas: int = 1
     request_timeout_s: float = 300.0
-    tenant_salt: str = "default"
-    """Cache salt for requests that name no tenant; keeps the index scoped per tenant."""
+    api_keys: Mapping[str, str] = field(default_factory=dict)
+    """API key -> tenant. Empty: every request is tenant "default". Set: unknown keys get 401."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -92,6 +98,7 @@ class AppConfig:
                 self.prefill.replicas >= 1 and self.decode.replicas >= 1,
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
+            "conversation_mode must be preserve or template": self.conversation_mode in ("preserve", "template"),
         }
         failed = [msg for msg, ok in checks.items() if not ok]
         if failed:

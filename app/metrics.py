@@ -6,6 +6,7 @@ Fed by the turn loop after each prefill; read by Prometheus via Ray's metrics en
 import json
 from pathlib import Path
 
+from app.conversations import RenderDiagnostics
 from app.protocol import Action, RoutingDecision
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
@@ -30,6 +31,12 @@ class TurnMetrics:
         self.prompt_tokens = metrics.Counter(
             "kv_loop_prompt_tokens", "Prompt tokens by where their KV came from.", tag_keys=("source",))
         self.bytes_pulled = metrics.Counter("kv_loop_bytes_pulled", "KV bytes pulled from decode replicas.")
+        self.render_turns = metrics.Counter(
+            "kv_loop_render_turns", "Chat turns by rendering mode and where the prefix broke (none: append-only).",
+            tag_keys=("mode", "cause"))
+        self.render_shared_tokens = metrics.Counter(
+            "kv_loop_render_shared_tokens", "Prompt tokens shared with the previous turn's full sequence.",
+            tag_keys=("mode",))
 
     def record_turn(self, decision: RoutingDecision, prompt_tokens: int, cached_tokens: int,
                     pulled_tokens: int) -> None:
@@ -41,3 +48,8 @@ class TurnMetrics:
                 self.prompt_tokens.inc(n, {"source": source})
         if decision.action == Action.PULL and pulled_tokens > 0:
             self.bytes_pulled.inc(pulled_tokens * self.kv_bytes_per_token)
+
+    def record_rendering(self, rendering: RenderDiagnostics) -> None:
+        self.render_turns.inc(1, {"mode": rendering.mode.value, "cause": rendering.cause.value})
+        if rendering.shared_tokens > 0:
+            self.render_shared_tokens.inc(rendering.shared_tokens, {"mode": rendering.mode.value})

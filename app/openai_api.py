@@ -6,7 +6,7 @@ is never read: only the router's own records decide what is pulled from where.
 
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -70,6 +70,11 @@ class GenerationRequest(BaseModel):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    conversation_mode: Literal["preserve", "template"] | None = None
+    """This project's extension: how to render history for this request (default: the config's)."""
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [{**m.model_dump(exclude_none=True), "content": m.text()} for m in self.messages]
 
 
 class CompletionRequest(GenerationRequest):

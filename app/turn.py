@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config import AppConfig
+from app.conversations import RenderDiagnostics
 from app.decision import PullPolicy, choose_prefill_replica, decide
 from app.hashing import block_hashes
 from app.metrics import TurnMetrics
@@ -41,6 +42,7 @@ class Turn:
     cache_salt: str
     sampling: SamplingSettings
     reverse_pull: bool = True
+    rendering: RenderDiagnostics | None = None
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,16 @@ class TurnLoop:
                  "pulled_tokens": pulled, "prefill_replica": result.replica_id,
                  **{k: v for k, v in dataclasses.asdict(decision).items() if k not in ("pull", "retained")},
                  "action": decision.action.value, "reason": decision.reason.value,
-                 "pull_source": decision.pull.source.engine_id if decision.pull else None, **timings}
+                 "pull_source": decision.pull.source.engine_id if decision.pull else None, **timings,
+                 "rendering": _rendering_log(turn.rendering)}
         self.decisions.append(entry)
         logger.info(json.dumps(entry))
         self.metrics.record_turn(decision, len(turn.prompt_token_ids), result.num_cached_tokens, pulled)
+        if turn.rendering is not None:
+            self.metrics.record_rendering(turn.rendering)
+
+
+def _rendering_log(rendering: RenderDiagnostics | None) -> dict[str, Any] | None:
+    if rendering is None:
+        return None
+    return {**dataclasses.asdict(rendering), "mode": rendering.mode.value, "cause": rendering.cause.value}

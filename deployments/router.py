@@ -8,13 +8,14 @@ import asyncio
 import uuid
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from app.chat import BadRequest, PromptRenderer
 from app.config import TINY_MODEL, AppConfig
+from app.conversations import RenderMode
 from app.metrics import TurnMetrics, kv_bytes_per_token
 from app.model.tiny import ensure_tiny_model
 from app.openai_api import (
@@ -26,6 +27,8 @@ from app.openai_api import (
     sse,
     usage,
 )
+from app.sessions import ChatSessions, RenderedTurn
+from app.tenants import Unauthorized, cache_salt, tenant_of
 from app.turn import PreparedTurn, Turn, TurnLoop
 
 DEFAULT_MAX_TOKENS = 256
@@ -47,6 +50,11 @@ async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
     return _error(str(exc), 400)
 
 
+@api.exception_handler(Unauthorized)
+async def _unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
+    return _error(str(exc), 401)
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Router:
@@ -55,6 +63,8 @@ class Router:
             ensure_tiny_model(config.model_path())
         self.config = config
         self.renderer = PromptRenderer(config.model_path(), config.max_model_len)
+        self.sessions = ChatSessions(self.renderer, config.block_size, config.conversation_ttl_s,
+                                     config.max_conversations)
         metrics = TurnMetrics(kv_bytes_per_token(config.model_path()))
         self.loop = TurnLoop(config, index, prefill, decode, metrics)
 
@@ -72,50 +82,69 @@ class Router:
         return list(self.loop.decisions)[-n:]
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
-        return await self._serve(body, self.renderer.chat(body), chat=True)
+    async def chat_completions(self, body: ChatCompletionRequest, authorization: str | None = Header(None),
+                               x_session_id: str | None = Header(None)):
+        tenant = tenant_of(authorization, self.config.api_keys)
+        mode = RenderMode(body.conversation_mode or self.config.conversation_mode)
+        rendered = self.sessions.render(body.template_messages(), body.chat_template_kwargs, tenant,
+                                        x_session_id or body.user, mode)
+        return await self._serve(body, rendered.prompt_ids, tenant, rendered)
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, raw: Request):
-        return await self._serve(body, self.renderer.completion(body), chat=False)
+    async def completions(self, body: CompletionRequest, authorization: str | None = Header(None)):
+        tenant = tenant_of(authorization, self.config.api_keys)
+        return await self._serve(body, self.renderer.completion(body), tenant, None)
 
-    async def _serve(self, body: GenerationRequest, prompt_ids: list[int], chat: bool):
+    async def _serve(self, body: GenerationRequest, prompt_ids: list[int], tenant: str,
+                     rendered: RenderedTurn | None):
         if body.model and body.model != self.config.model_name:
             return _error(f"the model {body.model!r} does not exist; this server serves "
                           f"{self.config.model_name!r}", 404)
         sampling = body.sampling(DEFAULT_MAX_TOKENS)
         self.renderer.check_fits(prompt_ids, sampling.max_tokens)
+        chat = rendered is not None
         turn = Turn(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                    prompt_token_ids=tuple(prompt_ids), cache_salt=self.config.tenant_salt, sampling=sampling,
-                    reverse_pull=self.config.reverse_pull and body.reverse_pull is not False)
+                    prompt_token_ids=tuple(prompt_ids), cache_salt=cache_salt(tenant), sampling=sampling,
+                    reverse_pull=self.config.reverse_pull and body.reverse_pull is not False,
+                    rendering=rendered.diagnostics if rendered else None)
         prepared = await asyncio.wait_for(self.loop.prepare(turn), self.config.request_timeout_s)
         shape = ResponseShape(turn.request_id, self.config.model_name, chat)
         if body.stream:
-            return StreamingResponse(self._stream(prepared, shape, body), media_type="text/event-stream")
-        return await self._complete(prepared, shape, body)
+            return StreamingResponse(self._stream(prepared, shape, body, rendered), media_type="text/event-stream")
+        return await self._complete(prepared, shape, body, rendered)
 
-    async def _complete(self, prepared: PreparedTurn, shape: ResponseShape, body: GenerationRequest):
+    async def _complete(self, prepared: PreparedTurn, shape: ResponseShape, body: GenerationRequest,
+                        rendered: RenderedTurn | None):
         token_ids: list[int] = []
         text, finish_reason = [], None
         async for chunk in self.loop.decode(prepared):
             token_ids.extend(chunk.token_ids)
             text.append(chunk.text)
             finish_reason = chunk.finish_reason or finish_reason
+        if rendered is not None:
+            self.sessions.finish(rendered, token_ids, "".join(text))
         use = usage(len(prepared.turn.prompt_token_ids), len(token_ids), prepared.cached_tokens)
         ids = token_ids if body.return_token_ids else None
         prompt = list(prepared.turn.prompt_token_ids) if body.return_token_ids else None
         return shape.full("".join(text), finish_reason, use, ids, prompt)
 
-    async def _stream(self, prepared: PreparedTurn, shape: ResponseShape, body: GenerationRequest):
-        generated = 0
+    async def _stream(self, prepared: PreparedTurn, shape: ResponseShape, body: GenerationRequest,
+                      rendered: RenderedTurn | None):
+        generated: list[int] = []
+        text: list[str] = []
         prompt = list(prepared.turn.prompt_token_ids) if body.return_token_ids else None
         try:
             async for chunk in self.loop.decode(prepared):
                 ids = list(chunk.token_ids) if body.return_token_ids else None
-                yield shape.chunk(chunk.text, chunk.finish_reason, ids, prompt if generated == 0 else None)
-                generated += len(chunk.token_ids)
+                yield shape.chunk(chunk.text, chunk.finish_reason, ids, None if generated else prompt)
+                generated.extend(chunk.token_ids)
+                text.append(chunk.text)
         except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band, then end the stream
             yield sse(error_body(f"generation failed: {type(exc).__name__}", 500))
+        else:
+            if rendered is not None:
+                self.sessions.finish(rendered, generated, "".join(text))
         if body.include_usage:
-            yield shape.usage_chunk(usage(len(prepared.turn.prompt_token_ids), generated, prepared.cached_tokens))
+            yield shape.usage_chunk(usage(len(prepared.turn.prompt_token_ids), len(generated),
+                                          prepared.cached_tokens))
         yield sse("[DONE]")

@@ -44,7 +44,8 @@ class ReferenceEngine:
 @pytest.fixture(scope="session")
 def app_config(tmp_path_factory):
     return load_config({"model_cache_dir": str(tmp_path_factory.mktemp("models")),
-                        "prefill.prefix_caching": "false", "max_model_len": "4096"})
+                        "prefill.prefix_caching": "false", "max_model_len": "4096",
+                        "api_keys": '{"unused": "default", "key-a": "tenant-a", "key-b": "tenant-b"}'})
 
 
 @pytest.fixture(scope="session")
@@ -53,14 +54,18 @@ def base_url(app_config):
     stop_local()
 
 
+def make_client(base_url: str, api_key: str = "unused") -> OpenAI:
+    return OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=300)
+
+
 @pytest.fixture(scope="session")
 def client(base_url) -> OpenAI:
-    return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return make_client(base_url)
 
 
 @pytest.fixture(scope="session")
 def http(base_url):
-    with httpx.Client(base_url=base_url, timeout=300) as session:
+    with httpx.Client(base_url=base_url, timeout=300, headers={"Authorization": "Bearer unused"}) as session:
         yield session
 
 
@@ -76,13 +81,19 @@ def decisions_by_request(http) -> dict[str, dict]:
 
 
 def run_conversation(client: OpenAI, system_prompt: str, user_turns: list[str], max_tokens: int = 24,
-                     **extra) -> list[TurnResult]:
-    """Replay a conversation faithfully, alternating streaming and non-streaming turns."""
+                     edit=None, **extra) -> list[TurnResult]:
+    """Replay a conversation faithfully (or through `edit(messages)` before each turn),
+    alternating streaming and non-streaming turns."""
     messages = [{"role": "system", "content": system_prompt}]
     records = []
     for k, user in enumerate(user_turns):
         messages.append({"role": "user", "content": user})
-        record = chat_turn(client, messages, max_tokens, stream=k % 2 == 0, **extra)
+        sent = edit(k, messages) if edit else messages
+        record = chat_turn(client, sent, max_tokens, stream=k % 2 == 0, **extra)
         messages.append({"role": "assistant", "content": record.text})
         records.append(record)
     return records
+
+
+def reference_ids(reference, turns: list[TurnResult], max_tokens: int) -> list[list[int]]:
+    return ray.get(reference.generate.remote([t.prompt_ids for t in turns], max_tokens))

@@ -9,6 +9,7 @@ from app.client import chat_turn
 from app.hashing import common_prefix_len
 from app.launch import APP_NAME
 from app.protocol import EngineEndpoint, KVHandoff, RetainedBlocks
+from app.tenants import cache_salt
 from tests.integration.conftest import SYSTEM_PROMPT, USER_TURNS, decisions_by_request, run_conversation
 
 pytestmark = pytest.mark.integration
@@ -64,7 +65,8 @@ def _plant_retained(prompt_ids: list[int], port: int, expires_in_s: float) -> No
                         expiry_time=time.time() + expires_in_s, engine_expiry=time.perf_counter() + expires_in_s)
     retained = RetainedBlocks(replica_id="ghost", handoff=handoff, token_ids=tuple(prompt_ids),
                               num_prompt_tokens=len(prompt_ids))
-    serve.get_deployment_handle("KVIndexServer", APP_NAME).record_retained.remote("default", retained).result()
+    salt = cache_salt("default")
+    serve.get_deployment_handle("KVIndexServer", APP_NAME).record_retained.remote(salt, retained).result()
 
 
 def _fresh_conversation(tag: str) -> list[dict]:
@@ -78,11 +80,10 @@ def test_unreadable_retained_blocks_fall_back_to_recompute(client, http, referen
 
     from app.chat import PromptRenderer
     from app.engine import free_port
-    from app.openai_api import ChatCompletionRequest
 
     messages = _fresh_conversation(reason)
     renderer = PromptRenderer(app_config.model_path(), app_config.max_model_len)
-    prompt_ids = renderer.chat(ChatCompletionRequest(messages=messages))
+    prompt_ids = renderer.chat(messages, {})
     _plant_retained(prompt_ids + [7] * 64, free_port("127.0.0.1"), expires_in_s)
     record = chat_turn(client, messages, MAX_TOKENS, stream=True)
     decision = decisions_by_request(http)[record.request_id]

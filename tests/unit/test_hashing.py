@@ -25,3 +25,9 @@ def test_common_prefix_len():
     assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix_len([1, 2], [1, 2, 3]) == 2
     assert common_prefix_len([], [1]) == 0
+
+
+def test_tenants_get_distinct_stable_salts():
+    from app.tenants import cache_salt
+
+    assert cache_salt("a") == cache_salt("a") != cache_salt("b")

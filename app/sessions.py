@@ -1,0 +1,57 @@
+"""Append-only chat sessions: render each turn so that it extends the previous turn's exact tokens.
+
+request messages ──match──▶ ConversationStore ──preserve: append / template: render──▶ prompt ids
+finished turn (prompt + generated ids, reply text) ──▶ ConversationStore (the next turn's record)
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from app.chat import PromptRenderer
+from app.conversations import (
+    ConversationRecord,
+    ConversationStore,
+    RenderDiagnostics,
+    RenderMode,
+    diagnose,
+    message_chain,
+)
+
+
+@dataclass(frozen=True)
+class RenderedTurn:
+    prompt_ids: list[int]
+    diagnostics: RenderDiagnostics
+    chain: tuple[str, ...]
+    tenant: str
+    session_key: str | None
+
+
+class ChatSessions:
+    def __init__(self, renderer: PromptRenderer, block_size: int, ttl_s: float, max_records: int) -> None:
+        self.renderer, self.block_size = renderer, block_size
+        self.store = ConversationStore(ttl_s=ttl_s, max_records=max_records)
+        self.reasoning_end_id = renderer.token_id("</think>")
+
+    def render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any], tenant: str,
+               session_id: str | None, mode: RenderMode) -> RenderedTurn:
+        chain = message_chain(tenant, messages)
+        last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        session_key = f"{tenant}\x00{session_id}" if session_id else None
+        match = self.store.match(chain, last_assistant, session_key)
+        prompt_ids = None
+        if mode == RenderMode.PRESERVE and match.exact:
+            prompt_ids = self.renderer.append(match.record, messages, last_assistant, template_kwargs)
+        if prompt_ids is None:
+            prompt_ids = self.renderer.chat(messages, template_kwargs)
+        diagnostics = diagnose(prompt_ids, match, mode, self.block_size, last_assistant + 1, self.reasoning_end_id)
+        return RenderedTurn(prompt_ids, diagnostics, tuple(chain), tenant, session_key)
+
+    def finish(self, turn: RenderedTurn, generated_ids: list[int], reply_text: str) -> None:
+        """Record the finished turn, keyed by the messages a faithful client will replay next."""
+        reply_key = message_chain(turn.chain[-1], [{"role": "assistant", "content": reply_text}])[0]
+        record = ConversationRecord(token_ids=(*turn.prompt_ids, *generated_ids),
+                                    num_prompt_tokens=len(turn.prompt_ids),
+                                    message_keys=(*turn.chain, reply_key), created_at=time.time())
+        self.store.put(record, turn.session_key)
