@@ -6,8 +6,14 @@ import pytest
 
 from app.client import chat_turn
 from app.hashing import common_prefix_len
-from tests.integration.conftest import (SYSTEM_PROMPT, USER_TURNS, decisions_by_request, make_client,
-                                        reference_ids, run_conversation)
+from tests.integration.conftest import (
+    SYSTEM_PROMPT,
+    USER_TURNS,
+    decisions_by_request,
+    make_client,
+    reference_ids,
+    run_conversation,
+)
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 24

@@ -40,3 +40,20 @@ def test_build_is_deterministic(tmp_path):
     a, b = ensure_tiny_model(tmp_path / "a"), ensure_tiny_model(tmp_path / "b")
     for name in ("model.safetensors", "tokenizer.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
+
+
+def test_append_keeps_the_recorded_tokens_and_adds_only_the_new_messages(tokenizer, tmp_path):
+    from app.chat import PromptRenderer
+    from app.conversations import ConversationRecord
+
+    renderer = PromptRenderer.__new__(PromptRenderer)
+    renderer.tokenizer, renderer.max_model_len = tokenizer, 4096
+    first = renderer.chat(TURN1, {"enable_thinking": False})
+    generated = tokenizer.encode("Hello there", add_special_tokens=False)
+    record = ConversationRecord(token_ids=(*first, *generated), num_prompt_tokens=len(first), message_keys=("k",),
+                                created_at=0.0)
+    messages = TURN1 + [{"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "More"}]
+    appended = renderer.append(record, messages, 2, {"enable_thinking": False})
+    assert appended[:len(record.token_ids)] == list(record.token_ids)
+    tail = tokenizer.decode(appended[len(record.token_ids):])
+    assert tail == "<|im_end|>\n<|im_start|>user\nMore<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
