@@ -4,8 +4,8 @@ Two copies of the same conversation (a unique nonce in each first block) run int
 turn on one app whose prefill cache is off (cache loss): one with reverse pulls, one with
 `reverse_pull: false` per request. Prints TTFT per turn and the recompute/pull ratio.
 
-    python benchmarks/reverse_pull.py                  # starts the embedded default itself
-    python benchmarks/reverse_pull.py --url http://host:8000 --model NAME
+    python -m benchmarks.reverse_pull                  # starts the embedded default itself
+    python -m benchmarks.reverse_pull --url http://host:8000 --model NAME
 """
 
 import argparse
@@ -17,15 +17,7 @@ from openai import OpenAI
 
 from app.client import TurnResult, chat_turn
 from app.config import load_config
-
-
-def system_prompt(tokenizer, target_tokens: int, nonce: str) -> str:
-    from app.model.tiny import corpus_lines
-
-    lines, text = corpus_lines(), f"[session {nonce}]\n"
-    while len(tokenizer.encode(text)) < target_tokens:
-        text += lines[len(text) % len(lines)] + "\n"
-    return text
+from benchmarks.workload import text_of_tokens
 
 
 def run_pair(client: OpenAI, model: str, prompt: str, turns: int, reply_tokens: int) -> dict[str, list[TurnResult]]:
@@ -82,7 +74,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(config.model_path()))
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     chat_turn(client, [{"role": "user", "content": "warm up"}], 4, model=args.model)
-    runs = [run_pair(client, args.model, system_prompt(tokenizer, args.system_tokens, uuid.uuid4().hex),
+    runs = [run_pair(client, args.model, text_of_tokens(tokenizer, args.system_tokens, f"[{uuid.uuid4().hex}] "),
                      args.turns, args.reply_tokens) for _ in range(args.repeats)]
     decisions = httpx.get(f"{url}/admin/decisions", params={"n": 10_000}).json()
     report(runs, args.turns, {d["request_id"]: d["prefill_ms"] for d in decisions})

@@ -1,0 +1,67 @@
+"""Tokens prefilled per turn and over a conversation, per rendering mode, against the ideal.
+
+Seed 002's profile (1,500-token system prompt, 150-token user turns, 350-token replies, ten
+turns) on one app with prefill's prefix cache off, so prefill computes whatever was not pulled:
+- preserve: append-only rendering + reverse pull (this project's default);
+- template: the model's template every turn + reverse pull;
+- no reuse: template rendering, no reverse pull.
+Ideal: turn 1's prompt, then only the tokens each later turn appends.
+
+    python benchmarks/prefill_tokens.py [--turns 10 --system-tokens 1500 ...] [--url URL]
+"""
+
+import argparse
+import uuid
+
+from openai import OpenAI
+
+from app.config import load_config
+from benchmarks.workload import Profile, run_conversation
+
+MODES = {"preserve": {"conversation_mode": "preserve"},
+         "template": {"conversation_mode": "template"},
+         "no reuse": {"conversation_mode": "template", "reverse_pull": False}}
+
+
+def ideal_per_turn(turns) -> list[int]:
+    ideal = [turns[0].prompt_tokens]
+    for previous, current in zip(turns, turns[1:]):
+        ideal.append(current.prompt_tokens - previous.prompt_tokens - len(previous.output_ids))
+    return ideal
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url")
+    parser.add_argument("--system-tokens", type=int, default=1500)
+    parser.add_argument("--user-tokens", type=int, default=150)
+    parser.add_argument("--reply-tokens", type=int, default=350)
+    parser.add_argument("--turns", type=int, default=10)
+    args = parser.parse_args()
+    profile = Profile(args.system_tokens, args.user_tokens, args.reply_tokens, args.turns)
+    config = load_config({"prefill.prefix_caching": "false"})
+    url = args.url
+    if url is None:
+        from app.launch import start_local
+
+        url = start_local(config)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(config.model_path()))
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    runs = {mode: run_conversation(client, tokenizer, profile, uuid.uuid4().hex, **extra, ignore_eos=True)
+            for mode, extra in MODES.items()}
+    ideal = ideal_per_turn(runs["preserve"])
+    prefilled = {mode: [t.prompt_tokens - t.cached_tokens for t in turns] for mode, turns in runs.items()}
+    print(f"{'turn':>4} {'prompt':>7} {'ideal':>6} " + " ".join(f"{m:>9}" for m in MODES))
+    for k in range(profile.turns):
+        print(f"{k + 1:>4} {runs['preserve'][k].prompt_tokens:>7} {ideal[k]:>6} "
+              + " ".join(f"{prefilled[m][k]:>9}" for m in MODES))
+    print(f"total {'':>7} {sum(ideal):>6} " + " ".join(f"{sum(prefilled[m]):>9}" for m in MODES))
+    for mode in MODES:
+        print(f"{mode}: {sum(prefilled[mode])} tokens prefilled over {profile.turns} turns = "
+              f"{sum(prefilled[mode]) / sum(ideal):.2f}x the ideal ({sum(ideal)})")
+
+
+if __name__ == "__main__":
+    main()
