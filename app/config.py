@@ -78,6 +78,14 @@ class AppConfig:
     """NIXL progress-thread sleep between polls; NIXL's own 0 spins a core per engine."""
     bind_engine_cores: bool = True
     """Pin each CPU engine's OpenMP threads to its own core (VLLM_CPU_OMP_THREADS_BIND)."""
+    routing_policy: str = "kv_aware"
+    """kv_aware, session_affinity, round_robin or least_loaded (see app/routing.py)."""
+    cost_per_token: float = 1.0
+    """kv_aware: cost of one prompt token prefill must compute."""
+    load_weight: float = 0.5
+    """kv_aware: cost of one prefill token already queued on the replica."""
+    transfer_cost_per_token: float = 0.05
+    """kv_aware: cost of one token pulled from decode instead of computed."""
     conversation_mode: str = "preserve"
     """preserve: append each turn to the previous turn's exact tokens; template: re-render history."""
     conversation_ttl_s: float = 1800.0
@@ -99,6 +107,8 @@ class AppConfig:
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
             "conversation_mode must be preserve or template": self.conversation_mode in ("preserve", "template"),
+            "routing_policy must be kv_aware, session_affinity, round_robin or least_loaded":
+                self.routing_policy in ("kv_aware", "session_affinity", "round_robin", "least_loaded"),
         }
         failed = [msg for msg, ok in checks.items() if not ok]
         if failed:

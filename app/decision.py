@@ -31,16 +31,6 @@ def cut_handoff(handoff: KVHandoff, num_tokens: int, block_size: int) -> KVHando
                    num_tokens=num_tokens)
 
 
-def choose_prefill_replica(lookup: PrefixLookup, turn_counter: int) -> str:
-    """The replica with the most cached leading tokens; ties rotate so load spreads."""
-    cached = lookup.prefill_cached_tokens
-    if not cached:
-        raise RuntimeError("no prefill replica has registered with the KV index yet")
-    best = max(cached.values())
-    tied = sorted(r for r, n in cached.items() if n == best)
-    return tied[turn_counter % len(tied)]
-
-
 def decide(prompt_ids: list[int], lookup: PrefixLookup, prefill_replica_id: str,
            policy: PullPolicy, now: float) -> RoutingDecision:
     local = min(lookup.prefill_cached_tokens.get(prefill_replica_id, 0), len(prompt_ids) - 1)

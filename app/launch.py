@@ -25,8 +25,16 @@ def start_local(config: AppConfig, num_cpus: int = 4) -> str:
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     port = free_local_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_graph(config), name=APP_NAME, route_prefix="/")
+    replace_app(config)
     return f"http://127.0.0.1:{port}"
+
+
+def replace_app(config: AppConfig) -> None:
+    """Run the graph for `config` at / on the running Serve, stopping the one there first."""
+    from ray import serve
+
+    serve.delete(APP_NAME)
+    serve.run(build_graph(config), name=APP_NAME, route_prefix="/")
 
 
 def stop_local() -> None:

@@ -53,6 +53,8 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool = False
     return_token_ids: bool = False
     """vLLM's extension: include prompt and generated token ids in the response."""
+    routing_policy: Literal["kv_aware", "session_affinity", "round_robin", "least_loaded"] | None = None
+    """This project's extension: the prefill routing policy for this request (default: the config's)."""
     reverse_pull: bool | None = None
     """This project's extension: false switches the reverse KV pull off for this request only."""
 

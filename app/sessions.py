@@ -26,6 +26,8 @@ class RenderedTurn:
     chain: tuple[str, ...]
     tenant: str
     session_key: str | None
+    affinity_key: str
+    """The conversation's identity: its session, else its messages up to the first user turn."""
 
 
 class ChatSessions:
@@ -46,7 +48,9 @@ class ChatSessions:
         if prompt_ids is None:
             prompt_ids = self.renderer.chat(messages, template_kwargs)
         diagnostics = diagnose(prompt_ids, match, mode, self.block_size, last_assistant + 1, self.reasoning_end_id)
-        return RenderedTurn(prompt_ids, diagnostics, tuple(chain), tenant, session_key)
+        first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), 0)
+        return RenderedTurn(prompt_ids, diagnostics, tuple(chain), tenant, session_key,
+                            affinity_key=session_key or chain[first_user])
 
     def finish(self, turn: RenderedTurn, generated_ids: list[int], reply_text: str) -> None:
         """Record the finished turn, keyed by the messages a faithful client will replay next."""

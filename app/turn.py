@@ -11,14 +11,14 @@ import dataclasses
 import json
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config import AppConfig
 from app.conversations import RenderDiagnostics
-from app.decision import PullPolicy, choose_prefill_replica, decide
+from app.decision import PullPolicy
 from app.hashing import block_hashes
 from app.metrics import TurnMetrics
 from app.protocol import (
@@ -31,6 +31,7 @@ from app.protocol import (
     RoutingDecision,
     SamplingSettings,
 )
+from app.routing import CostWeights, PrefillChooser, RoutingPolicy
 
 logger = logging.getLogger("ray.serve")
 
@@ -43,6 +44,9 @@ class Turn:
     sampling: SamplingSettings
     reverse_pull: bool = True
     rendering: RenderDiagnostics | None = None
+    routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
+    affinity_key: str = ""
+    """The conversation's identity for session affinity (session id, or its first messages)."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,11 @@ class TurnLoop:
         self.metrics = metrics
         self.policy = PullPolicy(block_size=config.block_size, threshold_tokens=config.recompute_threshold_tokens,
                                  expiry_margin_s=config.expiry_margin_s, enabled=config.reverse_pull)
+        weights = CostWeights(config.cost_per_token, config.load_weight, config.transfer_cost_per_token)
+        self.choosers = {p: PrefillChooser(p, self.policy, weights) for p in RoutingPolicy}
         self.decisions: deque[dict[str, Any]] = deque(maxlen=decision_log_size)
-        self._turns = 0
+        self.queued_tokens: Counter[str] = Counter()
+        """Prefill tokens this router has sent to each replica and not seen finish: its load."""
 
     async def prepare(self, turn: Turn) -> PreparedTurn:
         hashes = block_hashes(list(turn.prompt_token_ids), self.config.block_size, turn.cache_salt)
@@ -93,10 +100,9 @@ class TurnLoop:
 
     async def _plan(self, turn: Turn, hashes: list[int]) -> RoutingDecision:
         lookup = await self.index.lookup.remote(hashes)
-        self._turns += 1
-        target = choose_prefill_replica(lookup, self._turns)
         policy = self.policy if turn.reverse_pull else replace(self.policy, enabled=False)
-        return decide(list(turn.prompt_token_ids), lookup, target, policy, time.time())
+        return self.choosers[turn.routing_policy].choose(list(turn.prompt_token_ids), lookup, self.queued_tokens,
+                                                         turn.affinity_key, time.time(), policy)
 
     async def _prefill(self, turn: Turn, decision: RoutingDecision) -> tuple[PrefillResult, RoutingDecision]:
         request = PrefillRequest(request_id=f"{turn.request_id}-p", prompt_token_ids=turn.prompt_token_ids,
@@ -107,6 +113,8 @@ class TurnLoop:
             # Not awaited: the index applies it in order, and this turn need not wait.
             self.index.forget_retained.remote(
                 (decision.retained.replica_id, decision.retained.handoff.request_id))
+        load = len(turn.prompt_token_ids) - decision.tokens_local
+        self.queued_tokens[decision.prefill_replica_id] += load
         try:
             return await self.prefill_group.prefill.remote(request), decision
         except Exception as exc:  # noqa: BLE001 - any failed pull falls back to recomputing
@@ -117,6 +125,8 @@ class TurnLoop:
             fallback = replace(decision, action=Action.RECOMPUTE, reason=Reason.PULL_FAILED, pull=None)
             retry = replace(request, request_id=f"{turn.request_id}-p2", pull=None)
             return await self.prefill_group.prefill.remote(retry), fallback
+        finally:
+            self.queued_tokens[decision.prefill_replica_id] -= load
 
     async def _record(self, prepared: PreparedTurn, chunk: DecodeChunk) -> None:
         retained = chunk.retained
@@ -134,7 +144,8 @@ class TurnLoop:
                  "pulled_tokens": pulled, "prefill_replica": result.replica_id,
                  **{k: v for k, v in dataclasses.asdict(decision).items() if k not in ("pull", "retained")},
                  "action": decision.action.value, "reason": decision.reason.value,
-                 "pull_source": decision.pull.source.engine_id if decision.pull else None, **timings,
+                 "pull_source": decision.pull.source.engine_id if decision.pull else None,
+                 "policy": turn.routing_policy.value, **timings,
                  "rendering": _rendering_log(turn.rendering)}
         self.decisions.append(entry)
         logger.info(json.dumps(entry))

@@ -27,6 +27,7 @@ from app.openai_api import (
     sse,
     usage,
 )
+from app.routing import RoutingPolicy
 from app.sessions import ChatSessions, RenderedTurn
 from app.tenants import Unauthorized, cache_salt, tenant_of
 from app.turn import PreparedTurn, Turn, TurnLoop
@@ -106,7 +107,9 @@ class Router:
         turn = Turn(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                     prompt_token_ids=tuple(prompt_ids), cache_salt=cache_salt(tenant), sampling=sampling,
                     reverse_pull=self.config.reverse_pull and body.reverse_pull is not False,
-                    rendering=rendered.diagnostics if rendered else None)
+                    rendering=rendered.diagnostics if rendered else None,
+                    routing_policy=RoutingPolicy(body.routing_policy or self.config.routing_policy),
+                    affinity_key=rendered.affinity_key if rendered else f"{tenant}:{prompt_ids[:64]}")
         prepared = await asyncio.wait_for(self.loop.prepare(turn), self.config.request_timeout_s)
         shape = ResponseShape(turn.request_id, self.config.model_name, chat)
         if body.stream:

@@ -1,4 +1,4 @@
-from app.decision import PullPolicy, choose_prefill_replica, decide, pullable_tokens
+from app.decision import PullPolicy, decide, pullable_tokens
 from app.protocol import Action, PrefixLookup, Reason, RetainedMatch
 from tests.factories import BLOCK, retained
 
@@ -44,10 +44,3 @@ def test_recompute_when_nothing_is_retained_or_pulls_are_off():
     off = PullPolicy(block_size=BLOCK, threshold_tokens=32, expiry_margin_s=5.0, enabled=False)
     history = list(range(300))
     assert decide(history + [1], _lookup(history), "p0", off, NOW).reason == Reason.PULL_DISABLED
-
-
-def test_prefill_replica_with_most_cached_tokens_wins_and_ties_rotate():
-    lookup = PrefixLookup(prefill_cached_tokens={"a": 64, "b": 128})
-    assert choose_prefill_replica(lookup, 0) == "b"
-    tie = PrefixLookup(prefill_cached_tokens={"a": 0, "b": 0})
-    assert {choose_prefill_replica(tie, i) for i in range(2)} == {"a", "b"}

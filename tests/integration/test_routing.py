@@ -1,0 +1,61 @@
+"""Routing across replicas: two prefill replicas (prefix caching on) and one decode replica, eight
+concurrent three-turn conversations per policy. Runs last: it replaces the session's app."""
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+
+from app.config import EngineGroupConfig
+from app.hashing import common_prefix_len
+from app.launch import replace_app
+from tests.integration.conftest import SYSTEM_PROMPT, USER_TURNS, decisions_by_request, run_conversation
+
+pytestmark = pytest.mark.integration
+CONVERSATIONS = 8
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def two_prefill_replicas(base_url, app_config):
+    replace_app(replace(app_config, prefill=EngineGroupConfig(replicas=2, cpus_per_replica=0.5),
+                        decode=EngineGroupConfig(replicas=1, cpus_per_replica=0.5)))
+    return base_url
+
+
+def _conversations(client, policy: str, reverse_pull: bool):
+    def one(i):
+        return run_conversation(client, f"[{policy}-{reverse_pull}-{i}] {SYSTEM_PROMPT}", USER_TURNS[:3],
+                                MAX_TOKENS, routing_policy=policy, reverse_pull=reverse_pull)
+
+    with ThreadPoolExecutor(CONVERSATIONS) as pool:
+        return list(pool.map(one, range(CONVERSATIONS)))
+
+
+def _hit_rate(conversations, block_size: int, with_generated: bool) -> float:
+    """Share of later turns whose every full block of the reusable prefix was cached or pulled."""
+    hits = total = 0
+    for turns in conversations:
+        for previous, current in zip(turns, turns[1:]):
+            reusable = previous.prompt_ids + (previous.output_ids if with_generated else [])
+            shared = common_prefix_len(current.prompt_ids, reusable)
+            hits += current.cached_tokens >= min(shared, current.prompt_tokens - 1) // block_size * block_size
+            total += 1
+    return hits / total
+
+
+def test_kv_aware_finds_the_replica_that_holds_the_conversation(two_prefill_replicas, client, http, app_config):
+    block = app_config.block_size
+    kv_aware = _conversations(client, "kv_aware", reverse_pull=False)
+    round_robin = _conversations(client, "round_robin", reverse_pull=False)
+    kv_rate, rr_rate = _hit_rate(kv_aware, block, False), _hit_rate(round_robin, block, False)
+    assert kv_rate >= 0.9, kv_rate
+    assert rr_rate <= kv_rate - 0.25, (rr_rate, kv_rate)
+    decisions = decisions_by_request(http)
+    used = {decisions[t.request_id]["prefill_replica"] for turns in kv_aware for t in turns}
+    assert len(used) == 2, "load spreads over both replicas"
+
+
+def test_kv_aware_with_reverse_pull_reuses_the_whole_previous_sequence(two_prefill_replicas, client, app_config):
+    conversations = _conversations(client, "kv_aware", reverse_pull=True)
+    assert _hit_rate(conversations, app_config.block_size, with_generated=True) >= 0.9
