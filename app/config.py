@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from app.hashing import DEFAULT_HASH_SEED
+
 TINY_MODEL = "tiny-qwen3"
 
 
@@ -72,6 +74,8 @@ class AppConfig:
     """How long decode keeps a finished sequence's blocks for the next turn (think time)."""
     expiry_margin_s: float = 5.0
     """Decline retained blocks that expire sooner than this: the pull must finish first."""
+    prefix_hash_seed: int = DEFAULT_HASH_SEED
+    """PYTHONHASHSEED of every engine: vLLM's root block hash, which the router's hashes must share."""
     nixl_backends: tuple[str, ...] = ("UCX",)
     """NIXL transfer backends: UCX here; LIBFABRIC on EFA nodes."""
     nixl_poll_delay_us: int = 100

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.config import AppConfig, Device, EngineGroupConfig
+from app.hashing import HASH_ALGO
 from app.nixl_poll import POLL_DELAY_ENV
 from app.protocol import EngineEndpoint, KVHandoff, Role, SamplingSettings
 
@@ -45,7 +46,9 @@ def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> Engi
 def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIdentity) -> dict[str, str]:
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": identity.host,
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(identity.port),
-           POLL_DELAY_ENV: str(config.nixl_poll_delay_us)}
+           POLL_DELAY_ENV: str(config.nixl_poll_delay_us),
+           # vLLM derives its root block hash from this; the router hashes with the same seed.
+           "PYTHONHASHSEED": str(config.prefix_hash_seed)}
     if config.device == Device.CPU:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(group.kv_cache_gib)
     if identity.cpu_core is not None:
@@ -72,6 +75,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         model=path, tokenizer=path, served_model_name=[config.model_name], dtype=config.engine_dtype,
         block_size=config.block_size, max_model_len=config.max_model_len,
         enforce_eager=config.enforce_eager, enable_prefix_caching=group.prefix_caching,
+        prefix_caching_hash_algo=HASH_ALGO,
         tensor_parallel_size=config.tensor_parallel_size,
         gpu_memory_utilization=group.gpu_memory_utilization,
         num_gpu_blocks_override=group.num_gpu_blocks_override or None,

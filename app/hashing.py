@@ -1,27 +1,41 @@
-"""Chained block hashes of token ids, scoped by a tenant's cache salt: the KV index's keys.
+"""Chained block hashes of token ids, scoped by a tenant's cache salt: the KV index's keys, computed
+exactly as vLLM computes its prefix-cache block hashes (`prefix_caching_hash_algo="xxhash_cbor"`,
+NONE_HASH from the shared PYTHONHASHSEED the engine adapter sets), so the router's keys and the
+engines' own cache events name the same blocks.
 
-    salt ──▶ h0 = xxh3(block0, seed=H(salt)) ──▶ h1 = xxh3(block1, seed=h0) ──▶ ...
+    seed ──▶ NONE ──▶ h0 = H(NONE, block0, (("cache_salt", salt),)) ──▶ h1 = H(h0, block1, None) ──▶ ...
+    H(x) = xxh3_128(cbor(x, canonical))
 
 A block's hash depends on every token before it, so equal hashes at position i mean equal
 prefixes of (i + 1) blocks, and two tenants' identical prompts never share a hash.
 """
 
-from array import array
+from functools import lru_cache
 
+import cbor2
 import xxhash
 
+HASH_ALGO = "xxhash_cbor"
+DEFAULT_HASH_SEED = 1729
+"""PYTHONHASHSEED for every engine: vLLM derives its root hash from it (must be an integer)."""
 
-def salt_seed(salt: str) -> int:
-    return xxhash.xxh3_64_intdigest(salt.encode())
+
+def _digest(value) -> bytes:
+    return xxhash.xxh3_128_digest(cbor2.dumps(value, canonical=True))
 
 
-def block_hashes(token_ids: list[int], block_size: int, salt: str) -> list[int]:
+@lru_cache(maxsize=8)
+def none_hash(seed: int) -> bytes:
+    return _digest(str(seed))
+
+
+def block_hashes(token_ids: list[int], block_size: int, salt: str, seed: int = DEFAULT_HASH_SEED) -> list[bytes]:
     """Hashes of the full blocks of `token_ids`; a trailing partial block has none."""
     hashes = []
-    parent = salt_seed(salt)
+    parent = none_hash(seed)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = array("I", token_ids[start:start + block_size]).tobytes()
-        parent = xxhash.xxh3_64_intdigest(block, seed=parent)
+        extra = (("cache_salt", salt),) if start == 0 and salt else None
+        parent = _digest((parent, tuple(token_ids[start:start + block_size]), extra))
         hashes.append(parent)
     return hashes
 

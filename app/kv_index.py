@@ -10,21 +10,22 @@ the router before each turn. Plain data, no Ray: deployments/kv_index.py wraps i
 import time
 from collections import OrderedDict
 
-from app.hashing import block_hashes
+from app.hashing import DEFAULT_HASH_SEED, block_hashes
 from app.protocol import PrefixLookup, ReplicaInfo, RetainedBlocks, RetainedMatch, Role
 
 SequenceKey = tuple[str, str]  # (decode replica id, engine request id)
 
 
 class KVIndex:
-    def __init__(self, block_size: int, prefill_capacity_blocks: int = 100_000) -> None:
-        self.block_size = block_size
+    def __init__(self, block_size: int, prefill_capacity_blocks: int = 100_000,
+                 hash_seed: int = DEFAULT_HASH_SEED) -> None:
+        self.block_size, self.hash_seed = block_size, hash_seed
         self.prefill_capacity_blocks = prefill_capacity_blocks
         self.replicas: dict[str, ReplicaInfo] = {}
         self._sequences: dict[SequenceKey, RetainedBlocks] = {}
-        self._sequence_hashes: dict[SequenceKey, list[int]] = {}
-        self._by_hash: dict[int, set[SequenceKey]] = {}
-        self._prefill_blocks: dict[str, OrderedDict[int, None]] = {}
+        self._sequence_hashes: dict[SequenceKey, list[bytes]] = {}
+        self._by_hash: dict[bytes, set[SequenceKey]] = {}
+        self._prefill_blocks: dict[str, OrderedDict[bytes, None]] = {}
 
     def register(self, info: ReplicaInfo) -> None:
         self.replicas[info.replica_id] = info
@@ -43,7 +44,7 @@ class KVIndex:
     # ---- decode's retained sequences -------------------------------------------------------
     def record_retained(self, salt: str, retained: RetainedBlocks) -> None:
         key = (retained.replica_id, retained.handoff.request_id)
-        hashes = block_hashes(list(retained.token_ids), self.block_size, salt)
+        hashes = block_hashes(list(retained.token_ids), self.block_size, salt, self.hash_seed)
         self._sequences[key] = retained
         self._sequence_hashes[key] = hashes
         for h in hashes:
@@ -66,7 +67,7 @@ class KVIndex:
             self.forget_retained(key)
         return len(stale)
 
-    def _longest_retained(self, hashes: list[int], now: float) -> RetainedMatch | None:
+    def _longest_retained(self, hashes: list[bytes], now: float) -> RetainedMatch | None:
         best: RetainedMatch | None = None
         candidates: set[SequenceKey] = set()
         for depth, h in enumerate(hashes, start=1):
@@ -80,7 +81,7 @@ class KVIndex:
         return best
 
     # ---- prefill replicas' recent work -----------------------------------------------------
-    def record_prefill(self, replica_id: str, hashes: list[int]) -> None:
+    def record_prefill(self, replica_id: str, hashes: list[bytes]) -> None:
         info = self.replicas.get(replica_id)
         if info is None or not info.prefix_caching:
             return
@@ -91,7 +92,7 @@ class KVIndex:
         while len(blocks) > self.prefill_capacity_blocks:
             blocks.popitem(last=False)
 
-    def _prefill_cached_tokens(self, hashes: list[int]) -> dict[str, int]:
+    def _prefill_cached_tokens(self, hashes: list[bytes]) -> dict[str, int]:
         cached = {}
         for replica_id in self.replica_ids(Role.PREFILL):
             blocks = self._prefill_blocks[replica_id]
@@ -102,7 +103,7 @@ class KVIndex:
         return cached
 
     # ---- the question the router asks ------------------------------------------------------
-    def lookup(self, hashes: list[int], now: float | None = None) -> PrefixLookup:
+    def lookup(self, hashes: list[bytes], now: float | None = None) -> PrefixLookup:
         now = time.time() if now is None else now
         return PrefixLookup(prefill_cached_tokens=self._prefill_cached_tokens(hashes),
                             retained=self._longest_retained(hashes, now))

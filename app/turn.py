@@ -56,7 +56,9 @@ class PreparedTurn:
     turn: Turn
     decision: RoutingDecision
     prefill: PrefillResult
-    hashes: list[int]
+    hashes: list[bytes]
+    log_entry: dict[str, Any]
+    """This turn's decision-log entry; decode adds its first-token latency to it."""
 
     @property
     def cached_tokens(self) -> int:
@@ -78,27 +80,32 @@ class TurnLoop:
         """Prefill tokens this router has sent to each replica and not seen finish: its load."""
 
     async def prepare(self, turn: Turn) -> PreparedTurn:
-        hashes = block_hashes(list(turn.prompt_token_ids), self.config.block_size, turn.cache_salt)
+        hashes = block_hashes(list(turn.prompt_token_ids), self.config.block_size, turn.cache_salt,
+                              self.config.prefix_hash_seed)
         started = time.perf_counter()
         decision = await self._plan(turn, hashes)
         planned = time.perf_counter()
         result, decision = await self._prefill(turn, decision)
         timings = {"plan_ms": round((planned - started) * 1e3, 2),
                    "prefill_ms": round((time.perf_counter() - planned) * 1e3, 2)}
-        self._log(turn, decision, result, timings)
-        return PreparedTurn(turn=turn, decision=decision, prefill=result, hashes=hashes)
+        entry = self._log(turn, decision, result, timings)
+        return PreparedTurn(turn=turn, decision=decision, prefill=result, hashes=hashes, log_entry=entry)
 
     async def decode(self, prepared: PreparedTurn) -> AsyncIterator[DecodeChunk]:
         turn = prepared.turn
         request = DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=turn.prompt_token_ids,
                                 cache_salt=turn.cache_salt, sampling=turn.sampling,
                                 handoff=prepared.prefill.handoff)
+        started, first = time.perf_counter(), True
         async for chunk in self.decode_group.options(stream=True).decode.remote(request):
+            if first and chunk.token_ids:
+                prepared.log_entry["decode_first_token_ms"] = round((time.perf_counter() - started) * 1e3, 2)
+                first = False
             if chunk.retained is not None:
                 await self._record(prepared, chunk)
             yield chunk
 
-    async def _plan(self, turn: Turn, hashes: list[int]) -> RoutingDecision:
+    async def _plan(self, turn: Turn, hashes: list[bytes]) -> RoutingDecision:
         lookup = await self.index.lookup.remote(hashes)
         policy = self.policy if turn.reverse_pull else replace(self.policy, enabled=False)
         return self.choosers[turn.routing_policy].choose(list(turn.prompt_token_ids), lookup, self.queued_tokens,
@@ -137,7 +144,8 @@ class TurnLoop:
         # Without reverse pulls nothing will read decode's blocks: free them now, not at TTL.
         await asyncio.gather(prefill_hashes, self.prefill_group.release.remote(retained.handoff))
 
-    def _log(self, turn: Turn, decision: RoutingDecision, result: PrefillResult, timings: dict[str, float]) -> None:
+    def _log(self, turn: Turn, decision: RoutingDecision, result: PrefillResult,
+             timings: dict[str, float]) -> dict[str, Any]:
         pulled = decision.tokens_pullable - decision.tokens_local if decision.action == Action.PULL else 0
         entry = {"event": "kv_decision", "request_id": turn.request_id, "time": time.time(),
                  "prompt_tokens": len(turn.prompt_token_ids), "cached_tokens": result.num_cached_tokens,
@@ -152,6 +160,7 @@ class TurnLoop:
         self.metrics.record_turn(decision, len(turn.prompt_token_ids), result.num_cached_tokens, pulled)
         if turn.rendering is not None:
             self.metrics.record_rendering(turn.rendering)
+        return entry
 
 
 def _rendering_log(rendering: RenderDiagnostics | None) -> dict[str, Any] | None:

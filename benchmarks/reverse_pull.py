@@ -78,6 +78,11 @@ def main() -> None:
                      args.turns, args.reply_tokens) for _ in range(args.repeats)]
     decisions = httpx.get(f"{url}/admin/decisions", params={"n": 10_000}).json()
     report(runs, args.turns, {d["request_id"]: d["prefill_ms"] for d in decisions})
+    later = [d for d in decisions if d["action"] == "pull"]
+    if later:
+        print("pull turns, median ms: plan {:.1f}, prefill {:.1f}, decode first token {:.1f}".format(
+            *(statistics.median(d.get(k, 0.0) for d in later) for k in ("plan_ms", "prefill_ms",
+                                                                      "decode_first_token_ms"))))
 
 
 if __name__ == "__main__":

@@ -31,3 +31,28 @@ def test_tenants_get_distinct_stable_salts():
     from app.tenants import cache_salt
 
     assert cache_salt("a") == cache_salt("a") != cache_salt("b")
+
+
+def test_parity_with_vllms_own_block_hashes(monkeypatch, tmp_path):
+    """Same algorithm, same seed, same salt handling as the engines' prefix cache."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    from transformers import AutoTokenizer
+
+    from app.hashing import DEFAULT_HASH_SEED, HASH_ALGO
+    from app.model.tiny import corpus_lines, ensure_tiny_model
+
+    monkeypatch.setenv("PYTHONHASHSEED", str(DEFAULT_HASH_SEED))
+    hash_fn = get_hash_fn_by_name(HASH_ALGO)
+    kv_cache_utils.init_none_hash(hash_fn)
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model(tmp_path))
+    tokens = tokenizer.encode(" ".join(corpus_lines()))
+    assert len(tokens) > 500
+    for salt in ("tenant-salt", None):
+        expected, parent = [], None
+        for start in range(0, len(tokens) - 31, 32):
+            extra = (("cache_salt", salt),) if start == 0 and salt else None
+            parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, tokens[start:start + 32], extra)
+            expected.append(bytes(parent))
+        assert block_hashes(tokens, 32, salt or "") == expected
