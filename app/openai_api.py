@@ -102,42 +102,42 @@ class ResponseShape:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
-    def _envelope(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [choice]}
-
-    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
-              prompt_token_ids: list[int] | None = None) -> str:
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": text},
-                                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        body = self._envelope(obj, choice)
-        if prompt_token_ids is not None:
-            body["prompt_token_ids"] = prompt_token_ids
-        return sse(body)
-
-    def usage_chunk(self, usage_body: dict[str, Any]) -> str:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse({**self._envelope(obj, {}), "choices": [], "usage": usage_body})
-
-    def full(self, text: str, finish_reason: str | None, usage_body: dict[str, Any],
-             token_ids: list[int] | None, prompt_token_ids: list[int] | None) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        body = {**self._envelope(self.object, choice), "usage": usage_body}
+    def _body(self, obj: str, choice: dict[str, Any] | None, prompt_token_ids: list[int] | None = None,
+              **extra: Any) -> dict[str, Any]:
+        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice] if choice else [], **extra}
         if prompt_token_ids is not None:
             body["prompt_token_ids"] = prompt_token_ids
         return body
+
+    def _choice(self, text: str, finish_reason: str | None, token_ids: list[int] | None,
+                message_key: str) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice[message_key] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["finish_reason"] = finish_reason
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return choice
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
+              prompt_token_ids: list[int] | None = None) -> str:
+        choice = self._choice(text, finish_reason, token_ids, "delta")
+        return sse(self._body(self._chunk_object, choice, prompt_token_ids))
+
+    def usage_chunk(self, usage_body: dict[str, Any]) -> str:
+        return sse(self._body(self._chunk_object, None, usage=usage_body))
+
+    def full(self, text: str, finish_reason: str | None, usage_body: dict[str, Any],
+             token_ids: list[int] | None, prompt_token_ids: list[int] | None) -> dict[str, Any]:
+        choice = self._choice(text, finish_reason, token_ids, "message")
+        return self._body(self.object, choice, prompt_token_ids, usage=usage_body)
 
 
 def sse(payload: dict[str, Any] | str) -> str:

@@ -13,10 +13,8 @@ Ideal: turn 1's prompt, then only the tokens each later turn appends.
 import argparse
 import uuid
 
-from openai import OpenAI
-
 from app.config import load_config
-from benchmarks.workload import Profile, run_conversation
+from benchmarks.workload import Profile, open_target, run_conversation
 
 MODES = {"preserve": {"conversation_mode": "preserve"},
          "template": {"conversation_mode": "template"},
@@ -39,16 +37,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     args = parser.parse_args()
     profile = Profile(args.system_tokens, args.user_tokens, args.reply_tokens, args.turns)
-    config = load_config({"prefill.prefix_caching": "false"})
-    url = args.url
-    if url is None:
-        from app.launch import start_local
-
-        url = start_local(config)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(config.model_path()))
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client, tokenizer, url = open_target(args.url, load_config({"prefill.prefix_caching": "false"}))
     runs = {mode: run_conversation(client, tokenizer, profile, uuid.uuid4().hex, **extra, ignore_eos=True)
             for mode, extra in MODES.items()}
     ideal = ideal_per_turn(runs["preserve"])

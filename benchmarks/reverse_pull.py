@@ -17,7 +17,7 @@ from openai import OpenAI
 
 from app.client import TurnResult, chat_turn
 from app.config import load_config
-from benchmarks.workload import text_of_tokens
+from benchmarks.workload import open_target, text_of_tokens
 
 
 def run_pair(client: OpenAI, model: str, prompt: str, turns: int, reply_tokens: int) -> dict[str, list[TurnResult]]:
@@ -63,16 +63,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    config = load_config({"prefill.prefix_caching": "false"})
-    url = args.url
-    if url is None:
-        from app.launch import start_local
-
-        url = start_local(config)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(config.model_path()))
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client, tokenizer, url = open_target(args.url, load_config({"prefill.prefix_caching": "false"}))
     chat_turn(client, [{"role": "user", "content": "warm up"}], 4, model=args.model)
     runs = [run_pair(client, args.model, text_of_tokens(tokenizer, args.system_tokens, f"[{uuid.uuid4().hex}] "),
                      args.turns, args.reply_tokens) for _ in range(args.repeats)]

@@ -9,7 +9,21 @@ from dataclasses import dataclass
 from openai import OpenAI
 
 from app.client import TurnResult, chat_turn
+from app.config import AppConfig
 from app.model.tiny import corpus_lines
+
+
+def open_target(url: str | None, config: AppConfig) -> tuple[OpenAI, object, str]:
+    """A client for `url`, or for the embedded default started here with `config`; and a tokenizer
+    (the embedded model's, for sizing prompts)."""
+    if url is None:
+        from app.launch import start_local
+
+        url = start_local(config)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(config.model_path()))
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600), tokenizer, url
 
 
 @dataclass(frozen=True)
