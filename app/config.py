@@ -74,6 +74,8 @@ class AppConfig:
     """How long decode keeps a finished sequence's blocks for the next turn (think time)."""
     expiry_margin_s: float = 5.0
     """Decline retained blocks that expire sooner than this: the pull must finish first."""
+    kv_events: bool = True
+    """Engines publish vLLM KV cache events; the KV index subscribes (what each replica holds)."""
     prefix_hash_seed: int = DEFAULT_HASH_SEED
     """PYTHONHASHSEED of every engine: vLLM's root block hash, which the router's hashes must share."""
     nixl_backends: tuple[str, ...] = ("UCX",)
@@ -100,6 +102,8 @@ class AppConfig:
     request_timeout_s: float = 300.0
     api_keys: Mapping[str, str] = field(default_factory=dict)
     """API key -> tenant. Empty: every request is tenant "default". Set: unknown keys get 401."""
+    per_user_salt_tenants: tuple[str, ...] = ()
+    """Tenants whose cache salt is per user (the request's `user` field), for sensitive tenants."""
 
     def __post_init__(self) -> None:
         checks = {

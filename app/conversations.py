@@ -40,6 +40,8 @@ class ConversationRecord:
     message_keys: tuple[str, ...]
     """The chain keys of the messages this record ends (its last one is the assistant reply)."""
     created_at: float
+    prefill_replica_id: str = ""
+    """Where this turn was prefilled: the next turn 'lands where the previous ran' if it goes there."""
 
 
 @dataclass(frozen=True)

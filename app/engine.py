@@ -25,7 +25,12 @@ class EngineIdentity:
     engine_id: str
     host: str
     port: int
+    events_port: int
     cpu_core: int | None
+
+    @property
+    def events_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.events_port}"
 
 
 def free_port(host: str) -> int:
@@ -40,7 +45,7 @@ def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> Engi
     cores = os.cpu_count() or 1
     core = engine_index % cores if config.device == Device.CPU and config.bind_engine_cores else None
     return EngineIdentity(role=role, engine_id=f"{role.value}-{rank}-{uuid.uuid4().hex[:8]}",
-                          host=host, port=free_port(host), cpu_core=core)
+                          host=host, port=free_port(host), events_port=free_port(host), cpu_core=core)
 
 
 def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIdentity) -> dict[str, str]:
@@ -48,7 +53,9 @@ def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIden
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(identity.port),
            POLL_DELAY_ENV: str(config.nixl_poll_delay_us),
            # vLLM derives its root block hash from this; the router hashes with the same seed.
-           "PYTHONHASHSEED": str(config.prefix_hash_seed)}
+           "PYTHONHASHSEED": str(config.prefix_hash_seed),
+           # Full block hashes in KV events, so they equal the router's (not their low 64 bits).
+           "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}
     if config.device == Device.CPU:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(group.kv_cache_gib)
     if identity.cpu_core is not None:
@@ -57,7 +64,7 @@ def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIden
 
 
 def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIdentity):
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     transfer = KVTransferConfig(
@@ -80,6 +87,8 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         gpu_memory_utilization=group.gpu_memory_utilization,
         num_gpu_blocks_override=group.num_gpu_blocks_override or None,
         kv_transfer_config=transfer, worker_extension_cls="app.nixl_poll.NixlPollDelay",
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                        endpoint=f"tcp://*:{identity.events_port}") if config.kv_events else None,
         disable_log_stats=False)
 
 
@@ -135,6 +144,8 @@ class Engine:
         self.endpoint = EngineEndpoint(engine_id=self.identity.engine_id, host=host,
                                        port=self.identity.port, tp_size=config.tensor_parallel_size)
         self.llm = AsyncLLM.from_engine_args(engine_args(config, group, self.identity))
+        cache = self.llm.vllm_config.cache_config
+        self.pool_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
 
     def generate(self, request_id: str, prompt_token_ids: tuple[int, ...], cache_salt: str,
                  settings: SamplingSettings, kv_transfer_params: dict[str, Any]) -> AsyncIterator[Any]:

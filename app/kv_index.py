@@ -4,7 +4,7 @@ Fed by the router after each turn (decode's RetainedBlocks, prefill's computed b
 the router before each turn. Plain data, no Ray: deployments/kv_index.py wraps it in an actor.
 
     retained:  hash(b0..bi) ──▶ {sequence keys}     sequences: key ──▶ RetainedBlocks
-    prefill:   replica ──▶ LRU{hash(b0..bi)}        (predicted: the engine may have evicted it)
+    prefill:   replica ──▶ LRU{hash(b0..bi): CONFIRMED (KV events) | predicted-at (router history)}
 """
 
 import time
@@ -14,18 +14,21 @@ from app.hashing import DEFAULT_HASH_SEED, block_hashes
 from app.protocol import PrefixLookup, ReplicaInfo, RetainedBlocks, RetainedMatch, Role
 
 SequenceKey = tuple[str, str]  # (decode replica id, engine request id)
+CONFIRMED = -1.0  # a prefill block reported by the engine's KV events, not only predicted
 
 
 class KVIndex:
     def __init__(self, block_size: int, prefill_capacity_blocks: int = 100_000,
-                 hash_seed: int = DEFAULT_HASH_SEED) -> None:
+                 hash_seed: int = DEFAULT_HASH_SEED, predicted_confidence: float = 0.8,
+                 predicted_ttl_s: float = 300.0) -> None:
         self.block_size, self.hash_seed = block_size, hash_seed
+        self.predicted_confidence, self.predicted_ttl_s = predicted_confidence, predicted_ttl_s
         self.prefill_capacity_blocks = prefill_capacity_blocks
         self.replicas: dict[str, ReplicaInfo] = {}
         self._sequences: dict[SequenceKey, RetainedBlocks] = {}
         self._sequence_hashes: dict[SequenceKey, list[bytes]] = {}
         self._by_hash: dict[bytes, set[SequenceKey]] = {}
-        self._prefill_blocks: dict[str, OrderedDict[bytes, None]] = {}
+        self._prefill_blocks: dict[str, OrderedDict[bytes, float]] = {}  # hash -> predicted at | CONFIRMED
 
     def register(self, info: ReplicaInfo) -> None:
         self.replicas[info.replica_id] = info
@@ -81,31 +84,52 @@ class KVIndex:
         return best
 
     # ---- prefill replicas' recent work -----------------------------------------------------
-    def record_prefill(self, replica_id: str, hashes: list[bytes]) -> None:
+    def record_prefill(self, replica_id: str, hashes: list[bytes], now: float | None = None) -> None:
+        """The router's prediction: the replica just computed these blocks (lower confidence)."""
+        self._store(replica_id, hashes, time.time() if now is None else now)
+
+    def blocks_stored(self, replica_id: str, hashes: list[bytes]) -> None:
+        """The engine's own word (KV events): these blocks are in its prefix cache now."""
+        self._store(replica_id, hashes, CONFIRMED)
+
+    def _store(self, replica_id: str, hashes: list[bytes], stamp: float) -> None:
         info = self.replicas.get(replica_id)
         if info is None or not info.prefix_caching:
             return
-        blocks = self._prefill_blocks.setdefault(replica_id, OrderedDict())
+        blocks = self._prefill_blocks[replica_id]
         for h in hashes:
-            blocks[h] = None
+            blocks[h] = CONFIRMED if blocks.get(h) == CONFIRMED else stamp
             blocks.move_to_end(h)
         while len(blocks) > self.prefill_capacity_blocks:
             blocks.popitem(last=False)
 
-    def _prefill_cached_tokens(self, hashes: list[bytes]) -> dict[str, int]:
+    def blocks_removed(self, replica_id: str, hashes: list[bytes]) -> None:
+        blocks = self._prefill_blocks.get(replica_id)
+        for h in hashes if blocks is not None else ():
+            blocks.pop(h, None)
+
+    def blocks_cleared(self, replica_id: str) -> None:
+        if replica_id in self._prefill_blocks:
+            self._prefill_blocks[replica_id].clear()
+
+    def _prefill_cached_tokens(self, hashes: list[bytes], now: float) -> dict[str, int]:
+        """Expected leading tokens per prefill replica: confirmed blocks count fully, predicted
+        ones by their confidence until they age out."""
         cached = {}
         for replica_id in self.replica_ids(Role.PREFILL):
-            blocks = self._prefill_blocks[replica_id]
-            n = 0
-            while n < len(hashes) and hashes[n] in blocks:
-                n += 1
-            cached[replica_id] = n * self.block_size
+            blocks, expected = self._prefill_blocks[replica_id], 0.0
+            for h in hashes:
+                stamp = blocks.get(h)
+                if stamp is None or (stamp != CONFIRMED and now - stamp > self.predicted_ttl_s):
+                    break
+                expected += 1.0 if stamp == CONFIRMED else self.predicted_confidence
+            cached[replica_id] = int(expected * self.block_size)
         return cached
 
     # ---- the question the router asks ------------------------------------------------------
     def lookup(self, hashes: list[bytes], now: float | None = None) -> PrefixLookup:
         now = time.time() if now is None else now
-        return PrefixLookup(prefill_cached_tokens=self._prefill_cached_tokens(hashes),
+        return PrefixLookup(prefill_cached_tokens=self._prefill_cached_tokens(hashes, now),
                             retained=self._longest_retained(hashes, now))
 
     def stats(self) -> dict[str, int]:

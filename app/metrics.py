@@ -31,6 +31,16 @@ class TurnMetrics:
         self.prompt_tokens = metrics.Counter(
             "kv_loop_prompt_tokens", "Prompt tokens by where their KV came from.", tag_keys=("source",))
         self.bytes_pulled = metrics.Counter("kv_loop_bytes_pulled", "KV bytes pulled from decode replicas.")
+        self.requests = metrics.Counter("kv_loop_requests", "Requests by turn index.", tag_keys=("turn",))
+        self.ttft = metrics.Histogram(
+            "kv_loop_ttft_s", "Time to first token in the router, by turn index.",
+            boundaries=[0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4], tag_keys=("turn",))
+        self.later_turns = metrics.Counter(
+            "kv_loop_later_turns", "Later turns by routing policy: every reusable full block cached or pulled (hit), "
+            "and whether they landed where the previous turn ran.", tag_keys=("policy", "hit", "same_replica"))
+        self.horizon = metrics.Gauge(
+            "kv_loop_eviction_horizon_s", "Estimated seconds an idle block survives: (pool - pinned) / new-token rate.",
+            tag_keys=("prefill_replica",))
         self.render_turns = metrics.Counter(
             "kv_loop_render_turns", "Chat turns by rendering mode and where the prefix broke (none: append-only).",
             tag_keys=("mode", "cause"))
@@ -48,6 +58,16 @@ class TurnMetrics:
                 self.prompt_tokens.inc(n, {"source": source})
         if decision.action == Action.PULL and pulled_tokens > 0:
             self.bytes_pulled.inc(pulled_tokens * self.kv_bytes_per_token)
+
+    def record_ttft(self, turn_index: int, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s, {"turn": str(turn_index) if turn_index < 10 else "10+"})
+        self.requests.inc(1, {"turn": str(turn_index) if turn_index < 10 else "10+"})
+
+    def record_later_turn(self, policy: str, hit: bool, same_replica: bool) -> None:
+        self.later_turns.inc(1, {"policy": policy, "hit": str(hit).lower(), "same_replica": str(same_replica).lower()})
+
+    def record_horizon(self, replica_id: str, seconds: float) -> None:
+        self.horizon.set(seconds, {"prefill_replica": replica_id})
 
     def record_rendering(self, rendering: RenderDiagnostics) -> None:
         self.render_turns.inc(1, {"mode": rendering.mode.value, "cause": rendering.cause.value})

@@ -33,6 +33,8 @@ class ReplicaInfo:
     endpoint: EngineEndpoint
     prefix_caching: bool
     block_size: int
+    events_endpoint: str = ""
+    """ZMQ address of the engine's KV cache event publisher ("" when events are off)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ class PrefillResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     """Prompt tokens prefill did not compute: local prefix-cache hits plus pulled tokens."""
+    pool_tokens: int = 0
+    """Tokens the replica's KV pool holds (for the eviction-horizon estimate)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,9 @@ class DecodeRequest:
     cache_salt: str
     sampling: SamplingSettings
     handoff: KVHandoff
+    target_replica_id: str = ""
+    """Preferred decode replica: the one that held this conversation's previous turn (its prefix
+    cache still has those blocks, so it reads less from prefill); "" lets Serve balance."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,10 @@ class RenderedTurn:
     session_key: str | None
     affinity_key: str
     """The conversation's identity: its session, else its messages up to the first user turn."""
+    turn_index: int
+    """1 for a conversation's first turn: the number of user messages so far."""
+    previous_replica: str
+    """The prefill replica of the previous turn, when its record was found."""
 
 
 class ChatSessions:
@@ -50,12 +54,15 @@ class ChatSessions:
         diagnostics = diagnose(prompt_ids, match, mode, self.block_size, last_assistant + 1, self.reasoning_end_id)
         first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), 0)
         return RenderedTurn(prompt_ids, diagnostics, tuple(chain), tenant, session_key,
-                            affinity_key=session_key or chain[first_user])
+                            affinity_key=session_key or chain[first_user],
+                            turn_index=sum(m["role"] == "user" for m in messages),
+                            previous_replica=match.record.prefill_replica_id if match.record else "")
 
-    def finish(self, turn: RenderedTurn, generated_ids: list[int], reply_text: str) -> None:
+    def finish(self, turn: RenderedTurn, generated_ids: list[int], reply_text: str, prefill_replica_id: str) -> None:
         """Record the finished turn, keyed by the messages a faithful client will replay next."""
         reply_key = message_chain(turn.chain[-1], [{"role": "assistant", "content": reply_text}])[0]
         record = ConversationRecord(token_ids=(*turn.prompt_ids, *generated_ids),
                                     num_prompt_tokens=len(turn.prompt_ids),
-                                    message_keys=(*turn.chain, reply_key), created_at=time.time())
+                                    message_keys=(*turn.chain, reply_key), created_at=time.time(),
+                                    prefill_replica_id=prefill_replica_id)
         self.store.put(record, turn.session_key)

@@ -20,6 +20,7 @@ from app.config import AppConfig
 from app.conversations import RenderDiagnostics
 from app.decision import PullPolicy
 from app.hashing import block_hashes
+from app.horizon import EvictionHorizon
 from app.metrics import TurnMetrics
 from app.protocol import (
     Action,
@@ -47,6 +48,9 @@ class Turn:
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
     affinity_key: str = ""
     """The conversation's identity for session affinity (session id, or its first messages)."""
+    turn_index: int = 1
+    previous_replica: str = ""
+    """Where the conversation's previous turn was prefilled, if known."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class PreparedTurn:
     hashes: list[bytes]
     log_entry: dict[str, Any]
     """This turn's decision-log entry; decode adds its first-token latency to it."""
+    started_at: float
 
     @property
     def cached_tokens(self) -> int:
@@ -76,6 +81,7 @@ class TurnLoop:
         weights = CostWeights(config.cost_per_token, config.load_weight, config.transfer_cost_per_token)
         self.choosers = {p: PrefillChooser(p, self.policy, weights) for p in RoutingPolicy}
         self.decisions: deque[dict[str, Any]] = deque(maxlen=decision_log_size)
+        self.horizon = EvictionHorizon()
         self.queued_tokens: Counter[str] = Counter()
         """Prefill tokens this router has sent to each replica and not seen finish: its load."""
 
@@ -89,17 +95,24 @@ class TurnLoop:
         timings = {"plan_ms": round((planned - started) * 1e3, 2),
                    "prefill_ms": round((time.perf_counter() - planned) * 1e3, 2)}
         entry = self._log(turn, decision, result, timings)
-        return PreparedTurn(turn=turn, decision=decision, prefill=result, hashes=hashes, log_entry=entry)
+        entry["eviction_horizon_s"] = self._observe_load(result, time.time())
+        return PreparedTurn(turn=turn, decision=decision, prefill=result, hashes=hashes, log_entry=entry,
+                            started_at=started)
 
     async def decode(self, prepared: PreparedTurn) -> AsyncIterator[DecodeChunk]:
         turn = prepared.turn
         request = DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=turn.prompt_token_ids,
                                 cache_salt=turn.cache_salt, sampling=turn.sampling,
-                                handoff=prepared.prefill.handoff)
+                                handoff=prepared.prefill.handoff,
+                                target_replica_id=prepared.decision.retained.replica_id
+                                if prepared.decision.retained else "")
         started, first = time.perf_counter(), True
         async for chunk in self.decode_group.options(stream=True).decode.remote(request):
             if first and chunk.token_ids:
-                prepared.log_entry["decode_first_token_ms"] = round((time.perf_counter() - started) * 1e3, 2)
+                now = time.perf_counter()
+                prepared.log_entry["decode_first_token_ms"] = round((now - started) * 1e3, 2)
+                prepared.log_entry["ttft_ms"] = round((now - prepared.started_at) * 1e3, 2)
+                self.metrics.record_ttft(turn.turn_index, now - prepared.started_at)
                 first = False
             if chunk.retained is not None:
                 await self._record(prepared, chunk)
@@ -160,7 +173,21 @@ class TurnLoop:
         self.metrics.record_turn(decision, len(turn.prompt_token_ids), result.num_cached_tokens, pulled)
         if turn.rendering is not None:
             self.metrics.record_rendering(turn.rendering)
+        if turn.rendering is not None and turn.rendering.previous_tokens:
+            reusable = min(turn.rendering.shared_tokens, len(turn.prompt_token_ids) - 1)
+            entry["later_turn_hit"] = result.num_cached_tokens >= reusable // self.config.block_size * \
+                self.config.block_size
+            entry["same_replica"] = result.replica_id == turn.previous_replica
+            self.metrics.record_later_turn(turn.routing_policy.value, entry["later_turn_hit"], entry["same_replica"])
         return entry
+
+    def _observe_load(self, result: PrefillResult, now: float) -> float | None:
+        replica = result.replica_id
+        self.horizon.observe(replica, result.num_prompt_tokens - result.num_cached_tokens, now)
+        estimate = self.horizon.estimate_s(replica, result.pool_tokens, self.queued_tokens[replica], now)
+        if estimate is not None:
+            self.metrics.record_horizon(replica, estimate)
+        return estimate
 
 
 def _rendering_log(rendering: RenderDiagnostics | None) -> dict[str, Any] | None:

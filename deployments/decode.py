@@ -5,17 +5,19 @@ the sequence it keeps for the next turn. router ──DecodeRequest──▶ her
 from collections.abc import AsyncIterator
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from app.engine import from_vllm_params, to_vllm_params
 from app.protocol import DecodeChunk, DecodeRequest, RetainedBlocks, Role
 from deployments.engine_replica import EngineReplica
+from deployments.targeted_router import TargetedRequestRouter
 
 
 class DecodeFailed(RuntimeError):
     pass
 
 
-@serve.deployment
+@serve.deployment(request_router_config=RequestRouterConfig(request_router_class=TargetedRequestRouter))
 class DecodeServer(EngineReplica):
     role = Role.DECODE
 

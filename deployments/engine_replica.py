@@ -27,7 +27,8 @@ class EngineReplica:
         group = config.prefill if self.role == Role.PREFILL else config.decode
         await index.register.remote(ReplicaInfo(
             replica_id=self.replica_id, role=self.role, endpoint=self.engine.endpoint,
-            prefix_caching=group.prefix_caching, block_size=config.block_size))
+            prefix_caching=group.prefix_caching, block_size=config.block_size,
+            events_endpoint=self.engine.identity.events_endpoint if config.kv_events else ""))
 
     async def check_health(self) -> None:
         await self.engine.llm.check_health()

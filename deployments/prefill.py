@@ -32,7 +32,8 @@ class PrefillServer(EngineReplica):
             raise KVPullFailed(f"prefill of {request.request_id} failed (pull planned: {request.pull is not None})")
         return PrefillResult(replica_id=self.replica_id, handoff=from_vllm_params(final.kv_transfer_params),
                              num_prompt_tokens=len(request.prompt_token_ids),
-                             num_cached_tokens=final.num_cached_tokens or 0)
+                             num_cached_tokens=final.num_cached_tokens or 0,
+                             pool_tokens=self.engine.pool_tokens)
 
     async def release(self, handoff: KVHandoff) -> None:
         await self.engine.release(handoff)

@@ -29,7 +29,7 @@ from app.openai_api import (
 )
 from app.routing import RoutingPolicy
 from app.sessions import ChatSessions, RenderedTurn
-from app.tenants import Unauthorized, cache_salt, tenant_of
+from app.tenants import Unauthorized, cache_salt, cache_scope
 from app.turn import PreparedTurn, Turn, TurnLoop
 
 DEFAULT_MAX_TOKENS = 256
@@ -85,7 +85,7 @@ class Router:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, authorization: str | None = Header(None),
                                x_session_id: str | None = Header(None)):
-        tenant = tenant_of(authorization, self.config.api_keys)
+        tenant = cache_scope(authorization, body.user, self.config.api_keys, self.config.per_user_salt_tenants)
         mode = RenderMode(body.conversation_mode or self.config.conversation_mode)
         rendered = self.sessions.render(body.template_messages(), body.chat_template_kwargs, tenant,
                                         x_session_id or body.user, mode)
@@ -93,7 +93,7 @@ class Router:
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, authorization: str | None = Header(None)):
-        tenant = tenant_of(authorization, self.config.api_keys)
+        tenant = cache_scope(authorization, body.user, self.config.api_keys, self.config.per_user_salt_tenants)
         return await self._serve(body, self.renderer.completion(body), tenant, None)
 
     async def _serve(self, body: GenerationRequest, prompt_ids: list[int], tenant: str,
@@ -109,7 +109,9 @@ class Router:
                     reverse_pull=self.config.reverse_pull and body.reverse_pull is not False,
                     rendering=rendered.diagnostics if rendered else None,
                     routing_policy=RoutingPolicy(body.routing_policy or self.config.routing_policy),
-                    affinity_key=rendered.affinity_key if rendered else f"{tenant}:{prompt_ids[:64]}")
+                    affinity_key=rendered.affinity_key if rendered else f"{tenant}:{prompt_ids[:64]}",
+                    turn_index=rendered.turn_index if rendered else 1,
+                    previous_replica=rendered.previous_replica if rendered else "")
         prepared = await asyncio.wait_for(self.loop.prepare(turn), self.config.request_timeout_s)
         shape = ResponseShape(turn.request_id, self.config.model_name, chat)
         if body.stream:
@@ -125,7 +127,7 @@ class Router:
             text.append(chunk.text)
             finish_reason = chunk.finish_reason or finish_reason
         if rendered is not None:
-            self.sessions.finish(rendered, token_ids, "".join(text))
+            self.sessions.finish(rendered, token_ids, "".join(text), prepared.prefill.replica_id)
         use = usage(len(prepared.turn.prompt_token_ids), len(token_ids), prepared.cached_tokens)
         ids = token_ids if body.return_token_ids else None
         prompt = list(prepared.turn.prompt_token_ids) if body.return_token_ids else None
@@ -146,7 +148,7 @@ class Router:
             yield sse(error_body(f"generation failed: {type(exc).__name__}", 500))
         else:
             if rendered is not None:
-                self.sessions.finish(rendered, generated, "".join(text))
+                self.sessions.finish(rendered, generated, "".join(text), prepared.prefill.replica_id)
         if body.include_usage:
             yield shape.usage_chunk(usage(len(prepared.turn.prompt_token_ids), len(generated),
                                           prepared.cached_tokens))

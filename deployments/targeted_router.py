@@ -1,8 +1,9 @@
 """Serve request router for engine groups: send each call to the replica the turn loop chose.
 
-The router deployment decides (from the KV index) which prefill replica should run a turn and
-names it in the request's `target_replica_id`. If that replica is gone, any live replica will
-do: the choice only affects cache hits, never correctness.
+The router deployment decides (from the KV index) which replica should run a turn and names it in
+the request's `target_replica_id`. The others rank second: Serve moves on to them when the
+target is gone or at its `max_ongoing_requests`. The choice only affects cache hits, never
+correctness.
 """
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -16,7 +17,8 @@ class TargetedRequestRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
         target = _target_of(pending_request)
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
-        return [chosen] if chosen else [candidate_replicas]
+        others = [r for r in candidate_replicas if r.replica_id.unique_id != target]
+        return [chosen, others] if chosen else [candidate_replicas]
 
 
 def _target_of(pending_request: PendingRequest | None) -> str | None:

@@ -5,10 +5,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
+from ray import serve
 
 from app.config import EngineGroupConfig
 from app.hashing import common_prefix_len
-from app.launch import replace_app
+from app.launch import APP_NAME, replace_app
 from tests.integration.conftest import SYSTEM_PROMPT, USER_TURNS, decisions_by_request, run_conversation
 
 pytestmark = pytest.mark.integration
@@ -49,11 +50,17 @@ def test_kv_aware_finds_the_replica_that_holds_the_conversation(two_prefill_repl
     kv_aware = _conversations(client, "kv_aware", reverse_pull=False)
     round_robin = _conversations(client, "round_robin", reverse_pull=False)
     kv_rate, rr_rate = _hit_rate(kv_aware, block, False), _hit_rate(round_robin, block, False)
+    decisions = decisions_by_request(http)
+    print(f"later-turn hit rate without pulls: kv_aware {kv_rate:.2f}, round_robin {rr_rate:.2f}")
+    for name, runs in (("kv_aware", kv_aware), ("round_robin", round_robin)):
+        print(name, [[(decisions[t.request_id]["prefill_replica"], t.cached_tokens, t.prompt_tokens) for t in turns]
+                     for turns in runs])
     assert kv_rate >= 0.9, kv_rate
     assert rr_rate <= kv_rate - 0.25, (rr_rate, kv_rate)
-    decisions = decisions_by_request(http)
     used = {decisions[t.request_id]["prefill_replica"] for turns in kv_aware for t in turns}
     assert len(used) == 2, "load spreads over both replicas"
+    stats = serve.get_deployment_handle("KVIndexServer", APP_NAME).stats.remote().result()
+    assert stats["events_applied"] > 0, "the index follows the prefill engines' own KV cache events"
 
 
 def test_kv_aware_with_reverse_pull_reuses_the_whole_previous_sequence(two_prefill_replicas, client, app_config):

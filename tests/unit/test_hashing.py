@@ -35,10 +35,9 @@ def test_tenants_get_distinct_stable_salts():
 
 def test_parity_with_vllms_own_block_hashes(monkeypatch, tmp_path):
     """Same algorithm, same seed, same salt handling as the engines' prefix cache."""
+    from transformers import AutoTokenizer
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
-
-    from transformers import AutoTokenizer
 
     from app.hashing import DEFAULT_HASH_SEED, HASH_ALGO
     from app.model.tiny import corpus_lines, ensure_tiny_model
@@ -56,3 +55,16 @@ def test_parity_with_vllms_own_block_hashes(monkeypatch, tmp_path):
             parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, tokens[start:start + 32], extra)
             expected.append(bytes(parent))
         assert block_hashes(tokens, 32, salt or "") == expected
+
+
+def test_per_user_salting_is_opt_in_per_tenant():
+    import pytest
+
+    from app.tenants import Unauthorized, cache_scope
+
+    keys = {"ka": "a", "kb": "b"}
+    assert cache_scope("Bearer ka", "u1", keys, ("b",)) == "a"
+    assert cache_scope("Bearer kb", "u1", keys, ("b",)) == "b/u1" != cache_scope("Bearer kb", "u2", keys, ("b",))
+    assert cache_scope(None, "u1", {}, ()) == "default"
+    with pytest.raises(Unauthorized):
+        cache_scope("Bearer nope", None, keys, ())

@@ -44,13 +44,22 @@ def test_forget_retained_removes_every_hash():
 def test_prefill_blocks_are_recorded_only_where_prefix_caching_is_on_and_stay_bounded():
     index = _index()
     hashes = block_hashes(list(range(320)), BLOCK, "t")  # 10 blocks, capacity 8
-    index.record_prefill("p0", hashes[:4])
-    index.record_prefill("p1", hashes[:4])
+    index.blocks_stored("p0", hashes[:4])
+    index.blocks_stored("p1", hashes[:4])
     cached = index.lookup(hashes[:4], now=NOW).prefill_cached_tokens
     assert cached == {"p0": 4 * BLOCK, "p1": 0}
-    index.record_prefill("p0", hashes)
+    index.blocks_stored("p0", hashes)
     assert index.stats()["prefill_blocks"] == 8
     assert index.lookup(hashes, now=NOW).prefill_cached_tokens["p0"] == 0, "LRU dropped the first blocks"
+
+
+def test_predicted_blocks_count_by_confidence_and_age_out():
+    index = _index()
+    hashes = block_hashes(list(range(128)), BLOCK, "t")
+    index.blocks_stored("p0", hashes[:2])
+    index.record_prefill("p0", hashes, now=NOW)
+    assert index.lookup(hashes, now=NOW + 1).prefill_cached_tokens["p0"] == int((2 + 2 * 0.8) * BLOCK)
+    assert index.lookup(hashes, now=NOW + 301).prefill_cached_tokens["p0"] == 2 * BLOCK, "predictions aged out"
 
 
 def test_unregister_drops_a_replicas_records():
@@ -59,3 +68,20 @@ def test_unregister_drops_a_replicas_records():
     index.unregister("d0")
     assert index.replica_ids(Role.DECODE) == []
     assert index.stats()["retained_sequences"] == 0
+
+
+def test_index_follows_a_recorded_engine_event_stream():
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+    from app import kv_events
+
+    index = _index()
+    hashes = block_hashes(list(range(128)), BLOCK, "t")
+    stored = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=list(range(128)), block_size=BLOCK,
+                         lora_id=None, medium="GPU", lora_name=None)
+    kv_events.apply(index, "p0", KVEventBatch(ts=0.0, events=[stored]))
+    assert index.lookup(hashes, now=NOW).prefill_cached_tokens["p0"] == 128
+    kv_events.apply(index, "p0", KVEventBatch(ts=1.0, events=[BlockRemoved(block_hashes=hashes[2:], medium="GPU")]))
+    assert index.lookup(hashes, now=NOW).prefill_cached_tokens["p0"] == 64, "an LRU eviction shortens the hit"
+    kv_events.apply(index, "p0", KVEventBatch(ts=2.0, events=[AllBlocksCleared()]))
+    assert index.lookup(hashes, now=NOW).prefill_cached_tokens["p0"] == 0

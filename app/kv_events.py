@@ -1,0 +1,44 @@
+"""vLLM's KV cache events, from an engine's ZMQ publisher into the KV index.
+
+engine (KVEventsConfig, zmq PUB: topic | seq | msgpack KVEventBatch) ──▶ subscribe() ──▶ apply()
+BlockStored / BlockRemoved / AllBlocksCleared carry the same block hashes the router computes
+(app/hashing.py), so the index learns what each replica really holds, LRU evictions included.
+"""
+
+import logging
+from collections.abc import AsyncIterator
+
+from app.kv_index import KVIndex
+
+logger = logging.getLogger("ray.serve")
+
+
+def apply(index: KVIndex, replica_id: str, batch) -> None:
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            index.blocks_stored(replica_id, [bytes(h) for h in event.block_hashes])
+        elif isinstance(event, BlockRemoved):
+            index.blocks_removed(replica_id, [bytes(h) for h in event.block_hashes])
+        elif isinstance(event, AllBlocksCleared):
+            index.blocks_cleared(replica_id)
+
+
+async def subscribe(endpoint: str) -> AsyncIterator:
+    """Decoded KVEventBatch objects from one engine's publisher, forever."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    socket.connect(endpoint)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        while True:
+            _topic, _seq, payload = await socket.recv_multipart()
+            yield decoder.decode(payload)
+    finally:
+        socket.close(linger=0)
