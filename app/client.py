@@ -19,10 +19,12 @@ class TurnResult:
     cached_tokens: int
     ttft_s: float
     e2e_s: float
+    prompt_tokens: int
 
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
+
+def _cached(usage: dict[str, Any] | None) -> int:
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return details.get("cached_tokens") or 0
 
 
 def chat_turn(client: OpenAI, messages: list[dict], max_tokens: int, stream: bool = True,
@@ -34,18 +36,18 @@ def chat_turn(client: OpenAI, messages: list[dict], max_tokens: int, stream: boo
         response = client.chat.completions.create(**kwargs).model_dump()
         elapsed = time.perf_counter() - start
         choice = response["choices"][0]
-        return TurnResult(response["id"], response["prompt_token_ids"], choice["token_ids"],
-                          choice["message"]["content"], response["usage"]["prompt_tokens_details"]["cached_tokens"],
-                          ttft_s=elapsed, e2e_s=elapsed)
+        return TurnResult(response["id"], response.get("prompt_token_ids") or [], choice.get("token_ids") or [],
+                          choice["message"]["content"], _cached(response["usage"]), ttft_s=elapsed, e2e_s=elapsed,
+                          prompt_tokens=response["usage"]["prompt_tokens"])
     chunks, ttft = [], None
     for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
         if ttft is None and chunk.choices and chunk.choices[0].delta.content:
             ttft = time.perf_counter() - start
         chunks.append(chunk.model_dump())
     deltas = [c for c in chunks if c["choices"]]
-    return TurnResult(chunks[0]["id"], chunks[0]["prompt_token_ids"],
-                      [t for c in deltas for t in c["choices"][0]["token_ids"]],
-                      "".join(c["choices"][0]["delta"]["content"] or "" for c in deltas),
-                      chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"],
+    usage = chunks[-1]["usage"]
+    return TurnResult(chunks[0]["id"], next((c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")), []),
+                      [t for c in deltas for t in c["choices"][0].get("token_ids") or []],
+                      "".join(c["choices"][0]["delta"]["content"] or "" for c in deltas), _cached(usage),
                       ttft_s=ttft if ttft is not None else time.perf_counter() - start,
-                      e2e_s=time.perf_counter() - start)
+                      e2e_s=time.perf_counter() - start, prompt_tokens=usage["prompt_tokens"])

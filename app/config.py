@@ -115,6 +115,9 @@ class AppConfig:
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
             "conversation_mode must be preserve or template": self.conversation_mode in ("preserve", "template"),
+            "a num_gpu_blocks_override pool must hold max_model_len tokens": all(
+                g.num_gpu_blocks_override == 0 or g.num_gpu_blocks_override * self.block_size >= self.max_model_len
+                for g in (self.prefill, self.decode)),
             "routing_policy must be kv_aware, session_affinity, round_robin or least_loaded":
                 self.routing_policy in ("kv_aware", "session_affinity", "round_robin", "least_loaded"),
         }

@@ -5,7 +5,7 @@ while the pause is inside the horizon and jumps to the full prefill cost once it
 Scaled to finish in minutes here: a prefill pool of `--pool-blocks` blocks, reverse pulls off (so
 turn 2 can only hit prefill's own prefix cache), one background client sending fresh prompts.
 
-    python -m benchmarks.eviction_horizon [--pauses 0 2 4 8 16 --pool-blocks 96]
+    python -m benchmarks.eviction_horizon [--pauses 0 2 4 8 16 --pool-blocks 256 --load-interval-s 0.5]
 """
 
 import argparse
@@ -21,8 +21,9 @@ from app.config import load_config
 from benchmarks.workload import open_target, text_of_tokens
 
 
-def background_load(client, tokenizer, stop: threading.Event, prompt_tokens: int) -> None:
-    while not stop.is_set():
+def background_load(client, tokenizer, stop: threading.Event, prompt_tokens: int, interval_s: float) -> None:
+    """Fresh prompts, one at a time, `interval_s` apart: the rate of newly computed tokens."""
+    while not stop.wait(interval_s):
         prompt = text_of_tokens(tokenizer, prompt_tokens, f"[load {uuid.uuid4().hex}] ")
         chat_turn(client, [{"role": "user", "content": prompt}], 1, reverse_pull=False)
 
@@ -42,17 +43,19 @@ def main() -> None:
     parser.add_argument("--url")
     parser.add_argument("--pauses", type=float, nargs="+", default=[0, 2, 4, 8, 16])
     parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--pool-blocks", type=int, default=96)
-    parser.add_argument("--system-tokens", type=int, default=800)
+    parser.add_argument("--pool-blocks", type=int, default=256)
+    parser.add_argument("--system-tokens", type=int, default=1200)
     parser.add_argument("--load-tokens", type=int, default=600)
+    parser.add_argument("--load-interval-s", type=float, default=0.5)
     args = parser.parse_args()
-    config = load_config({"prefill.num_gpu_blocks_override": str(args.pool_blocks)})
+    config = load_config({"prefill.num_gpu_blocks_override": str(args.pool_blocks), "max_model_len": "2048"})
     client, tokenizer, url = open_target(args.url, config)
     stop = threading.Event()
-    loader = threading.Thread(target=background_load, args=(client, tokenizer, stop, args.load_tokens), daemon=True)
+    loader = threading.Thread(target=background_load, daemon=True,
+                              args=(client, tokenizer, stop, args.load_tokens, args.load_interval_s))
     loader.start()
     print(f"prefill pool {args.pool_blocks} blocks x {config.block_size} tokens; background prompts of "
-          f"{args.load_tokens} tokens; turn 1 of {args.system_tokens}+ tokens")
+          f"{args.load_tokens} tokens every {args.load_interval_s} s; turn 1 of {args.system_tokens}+ tokens")
     print(f"{'pause s':>7} {'turn-2 TTFT ms (median)':>24} {'cached/prompt (median)':>23}")
     try:
         for pause in args.pauses:

@@ -1,0 +1,28 @@
+"""The multi-turn benchmark's small preset against the running app: Parquet schema, summary, plot,
+and later turns cheaper than turn 1 for this project."""
+
+import pytest
+
+from benchmarks.multi_turn import run, summarize, write_results
+
+pytestmark = pytest.mark.integration
+SCHEMA = {"system": "string", "conversation": "int64", "turn": "int64", "prompt_tokens": "int64",
+          "cached_tokens": "int64", "prefilled_tokens": "int64", "ttft_s": "double", "itl_s": "double",
+          "e2e_s": "double", "decision": "string", "pulled_tokens": "int64"}
+
+
+def test_ci_preset_writes_stable_results_and_later_turns_are_cheaper(base_url, app_config, tmp_path):
+    import pyarrow.parquet as pq
+
+    rows = run(base_url, ["disagg", "pull+preserve"], "ci", app_config)
+    summary = summarize(rows, app_config)
+    write_results(rows, summary, tmp_path)
+    table = pq.read_table(tmp_path / "rows.parquet")
+    assert {f.name: str(f.type) for f in table.schema} == SCHEMA
+    assert (tmp_path / "multi_turn.png").stat().st_size > 10_000
+    assert "pull+preserve / disagg" in (tmp_path / "summary.md").read_text()
+    mine = [r for r in rows if r.system == "pull+preserve"]
+    first = [r.prefilled_tokens for r in mine if r.turn == 1]
+    later = [r.prefilled_tokens for r in mine if r.turn > 1]
+    assert max(later) < min(first), (first, later)
+    assert all(r.decision == "pull" for r in mine if r.turn > 1)
