@@ -52,10 +52,6 @@ class PromptRenderer:
             tail = tail[len(eos):]  # the reply already ends with the end-of-turn token it generated
         return [*record.token_ids, *self.tokenizer.encode(tail, add_special_tokens=False)]
 
-    def token_id(self, token: str) -> int | None:
-        token_id = self.tokenizer.convert_tokens_to_ids(token)
-        return token_id if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id else None
-
     def completion(self, request: CompletionRequest) -> list[int]:
         if isinstance(request.prompt, list):
             if any(t < 0 or t >= len(self.tokenizer) for t in request.prompt):

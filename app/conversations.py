@@ -138,19 +138,19 @@ class RenderDiagnostics:
 
 
 def diagnose(prompt_ids: list[int], match: HistoryMatch, mode: RenderMode, block_size: int,
-             num_history_messages: int, reasoning_end_id: int | None) -> RenderDiagnostics:
+             num_history_messages: int, reasoning_in_reply: bool) -> RenderDiagnostics:
     """How much of the previous turn's sequence this prompt keeps, and why it stops where it does."""
     record = match.record
     if record is None:
         return RenderDiagnostics(mode, len(prompt_ids), 0, 0, 0, BreakCause.NO_RECORD)
     shared = common_prefix_len(prompt_ids, list(record.token_ids))
-    cause = _break_cause(shared, record, match, num_history_messages, reasoning_end_id)
+    cause = _break_cause(shared, record, match, num_history_messages, reasoning_in_reply)
     return RenderDiagnostics(mode, len(prompt_ids), len(record.token_ids), shared,
                              min(shared, len(prompt_ids) - 1) // block_size, cause)
 
 
 def _break_cause(shared: int, record: ConversationRecord, match: HistoryMatch, num_history_messages: int,
-                 reasoning_end_id: int | None) -> BreakCause:
+                 reasoning_in_reply: bool) -> BreakCause:
     if shared == len(record.token_ids):
         return BreakCause.NONE
     if not match.exact:  # the client's messages differ from what the record saw
@@ -161,7 +161,6 @@ def _break_cause(shared: int, record: ConversationRecord, match: HistoryMatch, n
         return BreakCause.EDITED_HISTORY
     if shared < record.num_prompt_tokens:  # same messages, rendered differently
         return BreakCause.TEMPLATE_REWRITE
-    generated = record.token_ids[record.num_prompt_tokens:]
-    if reasoning_end_id is not None and reasoning_end_id in generated:
+    if reasoning_in_reply:
         return BreakCause.REASONING_STRIPPED
     return BreakCause.RETOKENIZATION_DRIFT

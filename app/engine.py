@@ -94,11 +94,13 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
 
 def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, Any]):
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
+    structured = StructuredOutputsParams(regex=settings.regex) if settings.regex else None
     return SamplingParams(
         max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p,
         seed=settings.seed, stop=list(settings.stop) or None, ignore_eos=settings.ignore_eos,
-        extra_args={"kv_transfer_params": kv_transfer_params})
+        structured_outputs=structured, extra_args={"kv_transfer_params": kv_transfer_params})
 
 
 # ---- kv_transfer_params, both directions ------------------------------------------------------

@@ -38,6 +38,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class StructuredOutputs(BaseModel):
+    regex: str
+
+
 class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
@@ -51,6 +55,8 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's extension: constrain the reply (here: `regex`)."""
     return_token_ids: bool = False
     """vLLM's extension: include prompt and generated token ids in the response."""
     routing_policy: Literal["kv_aware", "session_affinity", "round_robin", "least_loaded"] | None = None
@@ -62,7 +68,8 @@ class GenerationRequest(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingSettings(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
                                 temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                                stop=stop, ignore_eos=self.ignore_eos)
+                                stop=stop, ignore_eos=self.ignore_eos,
+                                regex=self.structured_outputs.regex if self.structured_outputs else None)
 
     @property
     def include_usage(self) -> bool:

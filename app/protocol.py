@@ -61,6 +61,8 @@ class SamplingSettings:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    regex: str | None = None
+    """Structured output: the reply must match this regular expression."""
 
 
 @dataclass(frozen=True)

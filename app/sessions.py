@@ -18,6 +18,8 @@ from app.conversations import (
     message_chain,
 )
 
+REASONING_END = "</think>"
+
 
 @dataclass(frozen=True)
 class RenderedTurn:
@@ -38,7 +40,6 @@ class ChatSessions:
     def __init__(self, renderer: PromptRenderer, block_size: int, ttl_s: float, max_records: int) -> None:
         self.renderer, self.block_size = renderer, block_size
         self.store = ConversationStore(ttl_s=ttl_s, max_records=max_records)
-        self.reasoning_end_id = renderer.token_id("</think>")
 
     def render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any], tenant: str,
                session_id: str | None, mode: RenderMode) -> RenderedTurn:
@@ -51,12 +52,18 @@ class ChatSessions:
             prompt_ids = self.renderer.append(match.record, messages, last_assistant, template_kwargs)
         if prompt_ids is None:
             prompt_ids = self.renderer.chat(messages, template_kwargs)
-        diagnostics = diagnose(prompt_ids, match, mode, self.block_size, last_assistant + 1, self.reasoning_end_id)
+        diagnostics = diagnose(prompt_ids, match, mode, self.block_size, last_assistant + 1,
+                               match.record is not None and self._has_reasoning(match.record))
         first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), 0)
         return RenderedTurn(prompt_ids, diagnostics, tuple(chain), tenant, session_key,
                             affinity_key=session_key or chain[first_user],
                             turn_index=sum(m["role"] == "user" for m in messages),
                             previous_replica=match.record.prefill_replica_id if match.record else "")
+
+    def _has_reasoning(self, record: ConversationRecord) -> bool:
+        """Did the recorded reply think out loud? (Models may spell </think> as one token or several.)"""
+        reply = self.renderer.tokenizer.decode(record.token_ids[record.num_prompt_tokens:])
+        return REASONING_END in reply
 
     def finish(self, turn: RenderedTurn, generated_ids: list[int], reply_text: str, prefill_replica_id: str) -> None:
         """Record the finished turn, keyed by the messages a faithful client will replay next."""

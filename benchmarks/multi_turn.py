@@ -189,7 +189,8 @@ def write_results(rows: list[Row], summary: str, out: Path) -> None:
     figure.savefig(out / "multi_turn.png", dpi=100)
 
 
-def run(url: str | None, systems: list[str], preset: str, config: AppConfig, progress=None) -> list[Row]:
+def run(url: str | None, systems: list[str], preset: str, config: AppConfig, progress=None,
+        model: str = "tiny-qwen3") -> list[Row]:
     """Run the systems in order; `url` is a running app for the app systems (else one is started)."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -202,7 +203,8 @@ def run(url: str | None, systems: list[str], preset: str, config: AppConfig, pro
         if system == "vllm":
             server, plain_url = start_plain_vllm(config)
             try:
-                rows += run_system(plain_url, system, tokenizer, profile, in_flight, think_s, {}, progress)
+                rows += run_system(plain_url, system, tokenizer, profile, in_flight, think_s, {"model": model},
+                                   progress)
             finally:
                 server.terminate()
                 server.wait(timeout=60)
@@ -211,7 +213,8 @@ def run(url: str | None, systems: list[str], preset: str, config: AppConfig, pro
             from app.launch import start_local
 
             url = start_local(config)
-        rows += run_system(url, system, tokenizer, profile, in_flight, think_s, APP_SYSTEMS[system], progress)
+        rows += run_system(url, system, tokenizer, profile, in_flight, think_s, {**APP_SYSTEMS[system], "model": model},
+                           progress)
     return rows
 
 

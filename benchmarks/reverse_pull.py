@@ -6,6 +6,11 @@ turn on one app whose prefill cache is off (cache loss): one with reverse pulls,
 
     python -m benchmarks.reverse_pull                  # starts the embedded default itself
     python -m benchmarks.reverse_pull --url http://host:8000 --model NAME
+    python -m benchmarks.reverse_pull --sweep 32 128 512 2048 7500   # transfer vs recompute by size
+
+The sweep runs two-turn conversations with histories from one block to the model's limit and
+prints turn 2's TTFT and prefill stage with the pull and recomputing: where the lines cross is
+where `recompute_threshold_tokens` should sit on this machine.
 """
 
 import argparse
@@ -53,6 +58,24 @@ def report(runs: list[dict[str, list[TurnResult]]], turns: int, prefill_ms: dict
           f"prefill stage {statistics.median(r[1] for r in ratios):.2f}x")
 
 
+def sweep(client: OpenAI, model: str, tokenizer, sizes: list[int], repeats: int, url: str) -> None:
+    runs = {n: [run_pair(client, model, text_of_tokens(tokenizer, n, f"[{uuid.uuid4().hex}] "), 2, 8)
+                for _ in range(repeats)] for n in sizes}
+    prefill_ms = _prefill_ms(url)
+    print(f"{'history':>8} | {'TTFT ms: pull':>13} {'recompute':>9} | {'prefill ms: pull':>16} {'recompute':>9} "
+          f"| {'recompute/pull':>14}")
+    for n, pairs in runs.items():
+        ttft = [statistics.median(p[mode][1].ttft_s * 1e3 for p in pairs) for mode in ("pull", "recompute")]
+        stage = [statistics.median(prefill_ms[p[mode][1].request_id] for p in pairs) for mode in ("pull", "recompute")]
+        print(f"{n:>8} | {ttft[0]:>13.1f} {ttft[1]:>9.1f} | {stage[0]:>16.1f} {stage[1]:>9.1f} "
+              f"| {ttft[1] / ttft[0]:>6.2f}x TTFT {stage[1] / stage[0]:>5.2f}x prefill")
+
+
+def _prefill_ms(url: str) -> dict[str, float]:
+    decisions = httpx.get(f"{url}/admin/decisions", params={"n": 10_000}).json()
+    return {d["request_id"]: d["prefill_ms"] for d in decisions}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running app; default: start the embedded default locally")
@@ -61,14 +84,18 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--reply-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sweep", type=int, nargs="+", help="history sizes in tokens: transfer vs recompute")
     args = parser.parse_args()
 
     client, tokenizer, url = open_target(args.url, load_config({"prefill.prefix_caching": "false"}))
     chat_turn(client, [{"role": "user", "content": "warm up"}], 4, model=args.model)
+    if args.sweep:
+        sweep(client, args.model, tokenizer, args.sweep, args.repeats, url)
+        return
     runs = [run_pair(client, args.model, text_of_tokens(tokenizer, args.system_tokens, f"[{uuid.uuid4().hex}] "),
                      args.turns, args.reply_tokens) for _ in range(args.repeats)]
+    report(runs, args.turns, _prefill_ms(url))
     decisions = httpx.get(f"{url}/admin/decisions", params={"n": 10_000}).json()
-    report(runs, args.turns, {d["request_id"]: d["prefill_ms"] for d in decisions})
     later = [d for d in decisions if d["action"] == "pull"]
     if later:
         print("pull turns, median ms: plan {:.1f}, prefill {:.1f}, decode first token {:.1f}".format(

@@ -9,8 +9,10 @@ import fcntl
 import json
 from pathlib import Path
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-BUILD_VERSION = "2"  # bump when anything below changes, so old builds are not reused
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+REASONING_TOKENS = ["<think>", "</think>"]
+"""Added but not special, as in Qwen3: they survive detokenisation, so replies carry their reasoning."""
+BUILD_VERSION = "3"  # bump when anything below changes, so old builds are not reused
 TARGET_VOCAB_SIZE = 2048
 MAX_MODEL_LEN = 8192
 
@@ -70,7 +72,7 @@ def _build(folder: Path) -> None:
 
 
 def _build_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
@@ -79,6 +81,7 @@ def _build_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=TARGET_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     bpe.train_from_iterator(corpus_lines(), trainer=trainer)
+    bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in REASONING_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=SPECIAL_TOKENS[1:], chat_template=CHAT_TEMPLATE,

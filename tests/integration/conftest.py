@@ -33,10 +33,13 @@ class ReferenceEngine:
         self.llm = LLM(model=model_path, dtype="float32", block_size=block_size, max_model_len=max_model_len,
                        enforce_eager=True, enable_prefix_caching=True)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_tokens: int, regex: str | None = None) -> list[list[int]]:
         from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import StructuredOutputsParams
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        structured = StructuredOutputsParams(regex=regex) if regex else None
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=regex is None,
+                                structured_outputs=structured)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -95,5 +98,5 @@ def run_conversation(client: OpenAI, system_prompt: str, user_turns: list[str], 
     return records
 
 
-def reference_ids(reference, turns: list[TurnResult], max_tokens: int) -> list[list[int]]:
-    return ray.get(reference.generate.remote([t.prompt_ids for t in turns], max_tokens))
+def reference_ids(reference, turns: list[TurnResult], max_tokens: int, regex: str | None = None) -> list[list[int]]:
+    return ray.get(reference.generate.remote([t.prompt_ids for t in turns], max_tokens, regex))

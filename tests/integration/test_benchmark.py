@@ -26,3 +26,17 @@ def test_ci_preset_writes_stable_results_and_later_turns_are_cheaper(base_url, a
     later = [r.prefilled_tokens for r in mine if r.turn > 1]
     assert max(later) < min(first), (first, later)
     assert all(r.decision == "pull" for r in mine if r.turn > 1)
+
+
+def test_notebook_executes_headless_against_the_app(base_url, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    notebook = Path(__file__).parents[2] / "benchmarks" / "multi_turn.ipynb"
+    env = {**os.environ, "KV_LOOP_URL": base_url, "KV_LOOP_PRESET": "ci", "KV_LOOP_SYSTEMS": "pull+preserve",
+           "KV_LOOP_OUT": str(tmp_path / "out")}
+    subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", str(notebook),
+                    "--output-dir", str(tmp_path), "--ExecutePreprocessor.timeout=600"], env=env, check=True)
+    assert (tmp_path / "out" / "rows.parquet").exists() and (tmp_path / "multi_turn.ipynb").exists()

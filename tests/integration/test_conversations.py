@@ -62,6 +62,26 @@ def test_both_modes_generate_what_a_plain_engine_generates(preserved, templated,
         assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
 
 
+REASONING = r"<think>\n[a-z ]{8,24}\n</think>\n\n[a-z ]{8,24}"
+THINKING_WITH_REASONING = {"structured_outputs": {"regex": REASONING}, "ignore_eos": False}
+
+
+@pytest.mark.parametrize("mode, cause", [("preserve", "none"), ("template", "reasoning_stripped")])
+def test_thinking_mode_with_reasoning_in_the_replies(client, http, reference, mode, cause):
+    turns = run_conversation(client, f"Thinking {mode}. " + SYSTEM_PROMPT, USER_TURNS[:3], 64,
+                             conversation_mode=mode, **THINKING_WITH_REASONING)
+    assert all(t.text.startswith("<think>\n") and "</think>" in t.text for t in turns), [t.text for t in turns]
+    assert [t.output_ids for t in turns] == reference_ids(reference, turns, 64, REASONING)
+    for previous, current in zip(turns, turns[1:]):
+        sequence = previous.prompt_ids + previous.output_ids
+        rendering = _rendering(http, current)
+        assert rendering["cause"] == cause
+        if mode == "preserve":
+            assert current.prompt_ids[:len(sequence)] == sequence, "the reasoning stays in the prompt"
+        else:
+            assert rendering["shared_tokens"] == len(previous.prompt_ids), "reuse ends where the reasoning began"
+
+
 def test_edited_history_is_correct_and_the_break_is_reported(client, http, reference, app_config):
     def edit_first_question(k, messages):
         if k < 2:

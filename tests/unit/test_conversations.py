@@ -52,16 +52,15 @@ def test_diagnose_names_the_cause():
     record = _record([SYSTEM, USER1, REPLY1])
     exact = HistoryMatch(record=record, exact=True)
     full = list(range(100)) + [7, 7]
-    assert diagnose(full, exact, RenderMode.PRESERVE, 32, 3, None).cause == BreakCause.NONE
-    rewrite = diagnose(list(range(70)) + [5] * 40, exact, RenderMode.TEMPLATE, 32, 3, None)
+    assert diagnose(full, exact, RenderMode.PRESERVE, 32, 3, False).cause == BreakCause.NONE
+    rewrite = diagnose(list(range(70)) + [5] * 40, exact, RenderMode.TEMPLATE, 32, 3, False)
     assert (rewrite.cause, rewrite.shared_tokens, rewrite.reusable_blocks) == (BreakCause.TEMPLATE_REWRITE, 70, 2)
-    assert diagnose(list(range(90)) + [5], exact, RenderMode.TEMPLATE, 32, 3, None).cause == \
+    assert diagnose(list(range(90)) + [5], exact, RenderMode.TEMPLATE, 32, 3, False).cause == \
         BreakCause.RETOKENIZATION_DRIFT
-    thinking = HistoryMatch(record=_record([SYSTEM, USER1, REPLY1], tokens=(*range(80), 999, 1, 2)), exact=True)
-    assert diagnose(list(range(80)) + [1], thinking, RenderMode.TEMPLATE, 32, 3, 999).cause == \
+    assert diagnose(list(range(90)) + [5], exact, RenderMode.TEMPLATE, 32, 3, True).cause == \
         BreakCause.REASONING_STRIPPED
     edited = HistoryMatch(record=record, exact=False, diverged_at_message=1)
-    assert diagnose(list(range(10)), edited, RenderMode.PRESERVE, 32, 3, None).cause == BreakCause.EDITED_HISTORY
-    assert diagnose(list(range(10)), edited, RenderMode.PRESERVE, 32, 1, None).cause == BreakCause.TRUNCATION
-    none = diagnose([1, 2], HistoryMatch(record=None, exact=False), RenderMode.PRESERVE, 32, 0, None)
+    assert diagnose(list(range(10)), edited, RenderMode.PRESERVE, 32, 3, False).cause == BreakCause.EDITED_HISTORY
+    assert diagnose(list(range(10)), edited, RenderMode.PRESERVE, 32, 1, False).cause == BreakCause.TRUNCATION
+    none = diagnose([1, 2], HistoryMatch(record=None, exact=False), RenderMode.PRESERVE, 32, 0, False)
     assert none.cause == BreakCause.NO_RECORD and none.previous_tokens == 0
