@@ -65,6 +65,3 @@ class PromptRenderer:
         if len(prompt_ids) + max_tokens > self.max_model_len:
             raise BadRequest(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                              f"model's context length of {self.max_model_len} tokens")
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
