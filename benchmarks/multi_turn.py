@@ -44,6 +44,7 @@ class Row:
     conversation: int
     turn: int
     prompt_tokens: int
+    completion_tokens: int
     cached_tokens: int
     prefilled_tokens: int
     ttft_s: float
@@ -84,8 +85,9 @@ def run_system(url: str, system: str, tokenizer, profile: Profile, in_flight: in
         for turn, r in turns:
             d = decisions.get(r.request_id, {})
             itl = (r.e2e_s - r.ttft_s) / max(len(r.output_ids) - 1, 1)
-            rows.append(Row(system, i, turn, r.prompt_tokens, r.cached_tokens, r.prompt_tokens - r.cached_tokens,
-                            r.ttft_s, itl, r.e2e_s, d.get("action", ""), d.get("pulled_tokens", 0)))
+            rows.append(Row(system, i, turn, r.prompt_tokens, len(r.output_ids), r.cached_tokens,
+                            r.prompt_tokens - r.cached_tokens, r.ttft_s, itl, r.e2e_s, d.get("action", ""),
+                            d.get("pulled_tokens", 0)))
     return rows
 
 
@@ -151,13 +153,13 @@ def _p95(values: list[float]) -> float:
 
 
 def _ideal_tokens(rows: list[Row]) -> dict[str, int]:
-    """Turn 1's prompt, then only the tokens each later turn adds to the previous prompt."""
+    """Turn 1's prompt, then only each later turn's new tokens: the reply was computed in decode."""
     ideal: dict[str, int] = {}
     for s in {r.system for r in rows}:
         for c in {r.conversation for r in rows if r.system == s}:
-            prompts = [r.prompt_tokens for r in sorted((r for r in rows if r.system == s and r.conversation == c),
-                                                       key=lambda r: r.turn)]
-            ideal[s] = ideal.get(s, 0) + prompts[0] + sum(b - a for a, b in zip(prompts, prompts[1:]))
+            turns = sorted((r for r in rows if r.system == s and r.conversation == c), key=lambda r: r.turn)
+            ideal[s] = ideal.get(s, 0) + turns[0].prompt_tokens + sum(
+                max(b.prompt_tokens - a.prompt_tokens - a.completion_tokens, 0) for a, b in zip(turns, turns[1:]))
     return ideal
 
 

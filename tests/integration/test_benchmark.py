@@ -7,8 +7,8 @@ from benchmarks.multi_turn import run, summarize, write_results
 
 pytestmark = pytest.mark.integration
 SCHEMA = {"system": "string", "conversation": "int64", "turn": "int64", "prompt_tokens": "int64",
-          "cached_tokens": "int64", "prefilled_tokens": "int64", "ttft_s": "double", "itl_s": "double",
-          "e2e_s": "double", "decision": "string", "pulled_tokens": "int64"}
+          "completion_tokens": "int64", "cached_tokens": "int64", "prefilled_tokens": "int64", "ttft_s": "double",
+          "itl_s": "double", "e2e_s": "double", "decision": "string", "pulled_tokens": "int64"}
 
 
 def test_ci_preset_writes_stable_results_and_later_turns_are_cheaper(base_url, app_config, tmp_path):
