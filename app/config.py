@@ -68,8 +68,10 @@ class AppConfig:
     decode: EngineGroupConfig = EngineGroupConfig(prefix_caching=True)
     reverse_pull: bool = True
     """Pull the previous turn's KV back from decode; off means prefill always recomputes history."""
-    recompute_threshold_tokens: int = 32
-    """Pull only when it saves at least this many tokens of prefill over the local cache."""
+    recompute_threshold_tokens: int = 256
+    """Pull only when it saves at least this many tokens of prefill over the local cache. On 2 CPU
+    cores with the embedded model pulling and recomputing break even near 128-512 tokens
+    (`benchmarks/reverse_pull.py --sweep`); measure yours."""
     retention_ttl_s: float = 120.0
     """How long decode keeps a finished sequence's blocks for the next turn (think time)."""
     expiry_margin_s: float = 5.0

@@ -87,7 +87,10 @@ def main() -> None:
     parser.add_argument("--sweep", type=int, nargs="+", help="history sizes in tokens: transfer vs recompute")
     args = parser.parse_args()
 
-    client, tokenizer, url = open_target(args.url, load_config({"prefill.prefix_caching": "false"}))
+    overrides = {"prefill.prefix_caching": "false"}
+    if args.sweep:  # pull even one block, to see where pulling stops paying
+        overrides["recompute_threshold_tokens"] = "0"
+    client, tokenizer, url = open_target(args.url, load_config(overrides))
     chat_turn(client, [{"role": "user", "content": "warm up"}], 4, model=args.model)
     if args.sweep:
         sweep(client, args.model, tokenizer, args.sweep, args.repeats, url)

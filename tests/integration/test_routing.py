@@ -19,8 +19,10 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def two_prefill_replicas(base_url, app_config):
+    # Threshold 0: pull whatever decode holds beyond prefill's cache (here only the short replies),
+    # so the second test sees the pull compose with routing rather than the threshold's choice.
     replace_app(replace(app_config, prefill=EngineGroupConfig(replicas=2, cpus_per_replica=0.5),
-                        decode=EngineGroupConfig(replicas=1, cpus_per_replica=0.5)))
+                        decode=EngineGroupConfig(replicas=1, cpus_per_replica=0.5), recompute_threshold_tokens=0))
     return base_url
 
 
