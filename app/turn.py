@@ -92,10 +92,10 @@ class TurnLoop:
         decision = await self._plan(turn, hashes)
         planned = time.perf_counter()
         result, decision = await self._prefill(turn, decision)
-        timings = {"plan_ms": round((planned - started) * 1e3, 2),
-                   "prefill_ms": round((time.perf_counter() - planned) * 1e3, 2)}
-        entry = self._log(turn, decision, result, timings)
-        entry["eviction_horizon_s"] = self._observe_load(result, time.time())
+        measured = {"plan_ms": round((planned - started) * 1e3, 2),
+                    "prefill_ms": round((time.perf_counter() - planned) * 1e3, 2),
+                    "eviction_horizon_s": self._observe_load(result, time.time())}
+        entry = self._log(turn, decision, result, measured)
         return PreparedTurn(turn=turn, decision=decision, prefill=result, hashes=hashes, log_entry=entry,
                             started_at=started)
 
@@ -158,7 +158,7 @@ class TurnLoop:
         await asyncio.gather(prefill_hashes, self.prefill_group.release.remote(retained.handoff))
 
     def _log(self, turn: Turn, decision: RoutingDecision, result: PrefillResult,
-             timings: dict[str, float]) -> dict[str, Any]:
+             measured: dict[str, float | None]) -> dict[str, Any]:
         pulled = decision.tokens_pullable - decision.tokens_local if decision.action == Action.PULL else 0
         entry = {"event": "kv_decision", "request_id": turn.request_id, "time": time.time(),
                  "prompt_tokens": len(turn.prompt_token_ids), "cached_tokens": result.num_cached_tokens,
@@ -166,19 +166,18 @@ class TurnLoop:
                  **{k: v for k, v in dataclasses.asdict(decision).items() if k not in ("pull", "retained")},
                  "action": decision.action.value, "reason": decision.reason.value,
                  "pull_source": decision.pull.source.engine_id if decision.pull else None,
-                 "policy": turn.routing_policy.value, **timings,
+                 "policy": turn.routing_policy.value, **measured,
                  "rendering": _rendering_log(turn.rendering)}
-        self.decisions.append(entry)
-        logger.info(json.dumps(entry))
         self.metrics.record_turn(decision, len(turn.prompt_token_ids), result.num_cached_tokens, pulled)
         if turn.rendering is not None:
             self.metrics.record_rendering(turn.rendering)
         if turn.rendering is not None and turn.rendering.previous_tokens:
-            reusable = min(turn.rendering.shared_tokens, len(turn.prompt_token_ids) - 1)
-            entry["later_turn_hit"] = result.num_cached_tokens >= reusable // self.config.block_size * \
-                self.config.block_size
+            reusable_tokens = turn.rendering.reusable_blocks * self.config.block_size
+            entry["later_turn_hit"] = result.num_cached_tokens >= reusable_tokens
             entry["same_replica"] = result.replica_id == turn.previous_replica
             self.metrics.record_later_turn(turn.routing_policy.value, entry["later_turn_hit"], entry["same_replica"])
+        self.decisions.append(entry)
+        logger.info(json.dumps(entry))
         return entry
 
     def _observe_load(self, result: PrefillResult, now: float) -> float | None:
