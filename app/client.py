@@ -20,6 +20,13 @@ class TurnResult:
     ttft_s: float
     e2e_s: float
     prompt_tokens: int
+    last_token_s: float = 0.0
+    """When the last content chunk arrived (the stream's usage chunk and end come after it)."""
+
+    @property
+    def itl_s(self) -> float:
+        """Mean inter-token latency between the first and the last content chunk."""
+        return (max(self.last_token_s, self.ttft_s) - self.ttft_s) / max(len(self.output_ids) - 1, 1)
 
 
 def _cached(usage: dict[str, Any] | None) -> int:
@@ -39,10 +46,11 @@ def chat_turn(client: OpenAI, messages: list[dict], max_tokens: int, stream: boo
         return TurnResult(response["id"], response.get("prompt_token_ids") or [], choice.get("token_ids") or [],
                           choice["message"]["content"], _cached(response["usage"]), ttft_s=elapsed, e2e_s=elapsed,
                           prompt_tokens=response["usage"]["prompt_tokens"])
-    chunks, ttft = [], None
+    chunks, ttft, last = [], None, 0.0
     for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
-        if ttft is None and chunk.choices and chunk.choices[0].delta.content:
-            ttft = time.perf_counter() - start
+        if chunk.choices and chunk.choices[0].delta.content:
+            last = time.perf_counter() - start
+            ttft = last if ttft is None else ttft
         chunks.append(chunk.model_dump())
     deltas = [c for c in chunks if c["choices"]]
     usage = chunks[-1]["usage"]
@@ -50,4 +58,4 @@ def chat_turn(client: OpenAI, messages: list[dict], max_tokens: int, stream: boo
                       [t for c in deltas for t in c["choices"][0].get("token_ids") or []],
                       "".join(c["choices"][0]["delta"]["content"] or "" for c in deltas), _cached(usage),
                       ttft_s=ttft if ttft is not None else time.perf_counter() - start,
-                      e2e_s=time.perf_counter() - start, prompt_tokens=usage["prompt_tokens"])
+                      e2e_s=time.perf_counter() - start, prompt_tokens=usage["prompt_tokens"], last_token_s=last)

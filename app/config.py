@@ -84,6 +84,13 @@ class AppConfig:
     """NIXL transfer backends: UCX here; LIBFABRIC on EFA nodes."""
     nixl_poll_delay_us: int = 100
     """NIXL progress-thread sleep between polls; NIXL's own 0 spins a core per engine."""
+    stream_interval_tokens: int = 4
+    """Decode streams its first token at once, then every this many tokens (vLLM's stream_interval):
+    each streamed chunk is two Serve hops, which on a small machine cost the engines CPU time."""
+    engine_idle_poll_s: float = 5.0
+    """An engine that only holds finished turns for remote readers waits this long for new work
+    between connector polls instead of stepping (app/idle_poll.py); 0 keeps vLLM's busy loop.
+    Above 1 s so the worker's shared-memory reader goes idle too."""
     bind_engine_cores: bool = True
     """Pin each CPU engine's OpenMP threads to its own core (VLLM_CPU_OMP_THREADS_BIND)."""
     routing_policy: str = "kv_aware"
@@ -115,10 +122,12 @@ class AppConfig:
             "prefill.replicas and decode.replicas must be >= 1":
                 self.prefill.replicas >= 1 and self.decode.replicas >= 1,
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
+            "stream_interval_tokens must be >= 1": self.stream_interval_tokens >= 1,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
             "conversation_mode must be preserve or template": self.conversation_mode in ("preserve", "template"),
-            "a num_gpu_blocks_override pool must hold max_model_len tokens": all(
-                g.num_gpu_blocks_override == 0 or g.num_gpu_blocks_override * self.block_size >= self.max_model_len
+            # vLLM keeps one block of the pool as its null block.
+            "a num_gpu_blocks_override pool must hold max_model_len tokens plus one block": all(
+                g.num_gpu_blocks_override == 0 or g.num_gpu_blocks_override * self.block_size > self.max_model_len
                 for g in (self.prefill, self.decode)),
             "routing_policy must be kv_aware, session_affinity, round_robin or least_loaded":
                 self.routing_policy in ("kv_aware", "session_affinity", "round_robin", "least_loaded"),

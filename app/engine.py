@@ -15,6 +15,7 @@ from typing import Any
 
 from app.config import AppConfig, Device, EngineGroupConfig
 from app.hashing import HASH_ALGO
+from app.idle_poll import IDLE_POLL_ENV
 from app.nixl_poll import POLL_DELAY_ENV
 from app.protocol import EngineEndpoint, KVHandoff, Role, SamplingSettings
 
@@ -52,6 +53,7 @@ def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIden
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": identity.host,
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(identity.port),
            POLL_DELAY_ENV: str(config.nixl_poll_delay_us),
+           IDLE_POLL_ENV: str(config.engine_idle_poll_s),
            # vLLM derives its root block hash from this; the router hashes with the same seed.
            "PYTHONHASHSEED": str(config.prefix_hash_seed),
            # Full block hashes in KV events, so they equal the router's (not their low 64 bits).
@@ -86,6 +88,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         tensor_parallel_size=config.tensor_parallel_size,
         gpu_memory_utilization=group.gpu_memory_utilization,
         num_gpu_blocks_override=group.num_gpu_blocks_override or None,
+        stream_interval=config.stream_interval_tokens,
         kv_transfer_config=transfer, worker_extension_cls="app.nixl_poll.NixlPollDelay",
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=f"tcp://*:{identity.events_port}") if config.kv_events else None,

@@ -16,16 +16,20 @@ def free_local_port() -> int:
 
 
 def start_local(config: AppConfig, num_cpus: int = 4) -> str:
-    """Ray with logical CPUs enough for the engine bundles, Serve on a free loopback port."""
+    """Ray with logical CPUs enough for the engine bundles, Serve on a free loopback port, the app."""
+    url = start_serve(num_cpus)
+    replace_app(config)
+    return url
+
+
+def start_serve(num_cpus: int = 4) -> str:
+    """A local Ray and Serve with no application yet; returns the proxy's URL."""
     import ray
     from ray import serve
 
-    if config.model == "tiny-qwen3":
-        ensure_tiny_model(config.model_path())
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     port = free_local_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    replace_app(config)
     return f"http://127.0.0.1:{port}"
 
 
@@ -33,8 +37,16 @@ def replace_app(config: AppConfig) -> None:
     """Run the graph for `config` at / on the running Serve, stopping the one there first."""
     from ray import serve
 
-    serve.delete(APP_NAME)
+    if config.model == "tiny-qwen3":
+        ensure_tiny_model(config.model_path())
+    delete_app()
     serve.run(build_graph(config), name=APP_NAME, route_prefix="/")
+
+
+def delete_app() -> None:
+    from ray import serve
+
+    serve.delete(APP_NAME)
 
 
 def stop_local() -> None:

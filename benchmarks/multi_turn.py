@@ -1,28 +1,33 @@
-"""The multi-turn benchmark: this project against the plain engine and the standard disaggregated
-flow, same model, same conversations, one run; rows as Parquet, a Markdown summary, PNG plots.
+"""The multi-turn benchmark: this project against the systems users would pick instead, same
+model, same engine settings, same conversations, one run; rows as Parquet, a Markdown summary,
+PNG plots.
 
-Systems (`--systems`):
+Systems:
 - `vllm`: one plain vLLM engine, aggregated, prefix caching on (vLLM's OpenAI server): the ideal;
-- `disagg`: this app with reverse pulls off and template rendering: the standard disaggregated
-  flow (prefill recomputes history unless its own cache still has it);
-- `pull`: reverse pull on, template rendering;  `pull+preserve`: reverse pull and append-only
-  sessions (this project's default).
-The app runs with prefill's prefix cache off: the cache-loss scenario of vLLM's experiment.
+- `serve-llm`: Ray Serve LLM's `build_pd_openai_app`, the standard disaggregated flow;
+- `disagg`: this app with reverse pulls off and template rendering (the standard flow, here);
+- `preserve`: append-only sessions, reverse pulls off;  `pull`: reverse pull on, template
+  rendering;  `pull+preserve`: both (this project's default);
+- `kv_aware`, `session_affinity`, `round_robin`, `least_loaded`: pull+preserve under each
+  routing policy.
 
-    python -m benchmarks.multi_turn [--preset default|ci] [--systems vllm disagg pull pull+preserve]
+Scenarios (each one app configuration, started in turn; peers run alone on the machine):
+- `prefix-off`: prefill's prefix cache off: every turn's history is lost on prefill;
+- `small-pool`: prefill's KV pool is `pool_blocks` blocks, so the other conversations' turns
+  evict an idle conversation's blocks during its think time;
+- `2-prefill`: two prefill replicas (prefix cache on), for the routing policies.
+
+    python -m benchmarks.multi_turn [--preset default|ci] [--scenarios prefix-off small-pool 2-prefill]
+    python -m benchmarks.multi_turn --url http://cluster:8000 --systems disagg pull+preserve
 """
 
 import argparse
-import os
-import random
-import socket
-import statistics
-import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -30,205 +35,249 @@ import httpx
 from app.client import TurnResult, chat_turn
 from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
-from benchmarks.workload import Profile, text_of_tokens
+from benchmarks.report import Row, summarize, write_results
+from benchmarks.workload import Profile, plan_conversation
 
-PRESETS = {"default": (Profile(1500, 150, 64, 10), 4, 1.0), "ci": (Profile(400, 40, 8, 3), 2, 0.2)}
+POLICIES = ("kv_aware", "session_affinity", "round_robin", "least_loaded")
 APP_SYSTEMS = {"disagg": {"reverse_pull": False, "conversation_mode": "template"},
+               "preserve": {"reverse_pull": False, "conversation_mode": "preserve"},
                "pull": {"conversation_mode": "template"},
-               "pull+preserve": {"conversation_mode": "preserve"}}
+               "pull+preserve": {"conversation_mode": "preserve"},
+               **{policy: {"conversation_mode": "preserve", "routing_policy": policy} for policy in POLICIES}}
+PEERS = ("vllm", "serve-llm")
 
 
 @dataclass(frozen=True)
-class Row:
+class Preset:
+    profile: Profile
+    in_flight: int
+    think_s: float
+    """Mean think time between turns."""
+    pool_blocks: int
+    """Prefill's KV pool in the small-pool scenario."""
+    think_distribution: str = "exponential"
+    """exponential (capped at 5x the mean), uniform or constant: see benchmarks.workload.think_time."""
+    max_model_len: int = 4096
+
+
+PRESETS = {"default": Preset(Profile(1500, 150, 64, 10), in_flight=4, think_s=1.0, pool_blocks=160),
+           "ci": Preset(Profile(400, 40, 8, 3), in_flight=2, think_s=0.2, pool_blocks=129)}
+
+WARM_UP = Preset(Profile(system_tokens=96, user_tokens=16, reply_tokens=4, turns=2), in_flight=1, think_s=0.0,
+                 pool_blocks=0)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    app_args: Mapping[str, str]
+    """AppConfig overrides (Serve args) for this scenario's engines; peers get the same settings."""
+    systems: tuple[str, ...]
+    """Peers first: they run before this scenario's app starts."""
+
+
+def scenarios(preset: Preset) -> dict[str, Scenario]:
+    return {s.name: s for s in (
+        Scenario("prefix-off", {"prefill.prefix_caching": "false"},
+                 ("vllm", "serve-llm", "disagg", "preserve", "pull", "pull+preserve")),
+        Scenario("small-pool", {"prefill.num_gpu_blocks_override": str(preset.pool_blocks)},
+                 ("disagg", "preserve", "pull", "pull+preserve")),
+        Scenario("2-prefill", {"prefill.replicas": "2", "prefill.cpus_per_replica": "0.5",
+                               "decode.cpus_per_replica": "0.5"}, POLICIES))}
+
+
+@dataclass
+class SystemRun:
+    """One system's conversations, as the client saw them."""
+
     system: str
-    conversation: int
-    turn: int
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    prefilled_tokens: int
-    ttft_s: float
-    itl_s: float
-    e2e_s: float
-    decision: str
-    pulled_tokens: int
+    began: float = field(default_factory=time.perf_counter)
+    turns: list[list[tuple[float, TurnResult]]] = field(default_factory=list)
 
 
-def conversation_rows(client, tokenizer, system: str, index: int, profile: Profile, think_s: float,
-                      extra: dict, rng: random.Random) -> list[tuple[int, TurnResult]]:
-    messages = [{"role": "system", "content": text_of_tokens(tokenizer, profile.system_tokens,
-                                                             f"[{system} {index} {uuid.uuid4().hex}] ")}]
-    results = []
-    for k in range(profile.turns):
-        if k:
-            time.sleep(min(rng.expovariate(1 / think_s), 5 * think_s) if think_s else 0)
-        messages.append({"role": "user", "content": text_of_tokens(tokenizer, profile.user_tokens, f"Q{k}: ")})
-        result = chat_turn(client, messages, profile.reply_tokens, **extra)
+def converse(client, tokenizer, run: SystemRun, index: int, preset: Preset, extra: dict) -> list:
+    plan = plan_conversation(tokenizer, preset.profile, f"{run.system} {index} {uuid.uuid4().hex}", preset.think_s,
+                             preset.think_distribution, seed=index)
+    messages = [{"role": "system", "content": plan.system}]
+    turns = []
+    for user, think_s in zip(plan.user_turns, (0.0, *plan.think_s)):
+        time.sleep(think_s)
+        messages.append({"role": "user", "content": user})
+        started = time.perf_counter() - run.began
+        result = chat_turn(client, messages, preset.profile.reply_tokens, **extra)
         messages.append({"role": "assistant", "content": result.text})
-        results.append((k + 1, result))
-    return results
+        turns.append((started, result))
+    return turns
 
 
-def run_system(url: str, system: str, tokenizer, profile: Profile, in_flight: int, think_s: float,
-               extra: dict, progress) -> list[Row]:
+def drive(url: str, system: str, tokenizer, preset: Preset, extra: dict) -> SystemRun:
+    """`preset.in_flight` conversations at once through the official OpenAI client, streaming."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-    with ThreadPoolExecutor(in_flight) as pool:
-        futures = [pool.submit(conversation_rows, client, tokenizer, system, i, profile, think_s, extra,
-                               random.Random(i)) for i in range(in_flight)]
-        conversations = [f.result() for f in futures]
-    progress.update(1)
-    decisions = _decisions(url) if system in APP_SYSTEMS else {}
+    run = SystemRun(system)
+    with ThreadPoolExecutor(preset.in_flight) as pool:
+        futures = [pool.submit(converse, client, tokenizer, run, i, preset, extra) for i in range(preset.in_flight)]
+        run.turns = [f.result() for f in futures]
+    return run
+
+
+def warm_up(url: str, tokenizer, extra: dict) -> None:
+    """A short unmeasured conversation takes first-request costs (NIXL handshakes, lazy
+    initialisation) out of the first measured turns."""
+    drive(url, "warm-up", tokenizer, WARM_UP, extra)
+
+
+def rows_of(scenario: str, run: SystemRun, decisions: dict[str, dict], prefill_hits: dict[str, int],
+            bytes_per_token: int = 0) -> list[Row]:
+    """`prefill_hits` overrides the response's cached tokens where prefill's own count differs
+    (Serve LLM reports decode's, which include every transferred token)."""
     rows = []
-    for i, turns in enumerate(conversations):
-        for turn, r in turns:
+    for i, turns in enumerate(run.turns):
+        for turn, (started, r) in enumerate(turns, 1):
             d = decisions.get(r.request_id, {})
-            itl = (r.e2e_s - r.ttft_s) / max(len(r.output_ids) - 1, 1)
-            rows.append(Row(system, i, turn, r.prompt_tokens, len(r.output_ids), r.cached_tokens,
-                            r.prompt_tokens - r.cached_tokens, r.ttft_s, itl, r.e2e_s, d.get("action", ""),
-                            d.get("pulled_tokens", 0)))
+            cached = prefill_hits.get(r.request_id, r.cached_tokens)
+            stages = [d.get(k, 0.0) / 1e3 for k in ("plan_ms", "prefill_ms", "decode_first_token_ms")]
+            rows.append(Row(scenario, run.system, i, turn, started, r.prompt_tokens, len(r.output_ids), cached,
+                            r.prompt_tokens - cached, r.ttft_s, r.itl_s, r.e2e_s, d.get("action", ""),
+                            d.get("pulled_tokens", 0), d.get("pulled_tokens", 0) * bytes_per_token, *stages))
     return rows
 
 
-def _decisions(url: str) -> dict[str, dict]:
+def app_decisions(url: str) -> dict[str, dict]:
     body = httpx.get(f"{url}/admin/decisions", params={"n": 1000}, headers={"Authorization": "Bearer unused"}).json()
     return {d["request_id"]: d for d in body}
 
 
-def start_plain_vllm(config: AppConfig) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_path()),
-               "--served-model-name", config.model_name, "--dtype", config.engine_dtype, "--block-size",
-               str(config.block_size), "--max-model-len", str(config.max_model_len), "--enforce-eager",
-               "--enable-prefix-caching", "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port)]
-    server = subprocess.Popen(command, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    server.kill()
-    raise RuntimeError("the plain vLLM server did not start")
+def run_serve_llm(scenario: Scenario, config: AppConfig, proxy_url: str, tokenizer, preset: Preset,
+                  model: str) -> list[Row]:
+    """Serve LLM reports decode's cached tokens, which count every transferred token; prefill's
+    come from its engine's counters, in total only. With prefill's prefix cache off they are zero
+    for every request: the counters must show no hit and every prompt token computed (at least:
+    they also hold the warm-up, and Ray exports them with a lag)."""
+    from benchmarks.peers import prompt_tokens_by_source, prompt_tokens_since, serve_llm_pd, serve_llm_prefill_replica
+
+    if config.prefill.prefix_caching:
+        raise ValueError("serve-llm reports prefill cache hits only in total: run it where prefill's prefix "
+                         "cache is off (scenario prefix-off)")
+    with serve_llm_pd(config, proxy_url) as url:
+        replica = serve_llm_prefill_replica()
+        before = prompt_tokens_by_source(replica)
+        warm_up(url, tokenizer, {"model": model})
+        run = drive(url, "serve-llm", tokenizer, preset, {"model": model})
+        rows = rows_of(scenario.name, run, {}, {r.request_id: 0 for turns in run.turns for _, r in turns})
+        counted = prompt_tokens_since(replica, before, sum(r.prompt_tokens for r in rows))
+    if counted.get("local_cache_hit", 0) or counted.get("local_compute", 0) < sum(r.prompt_tokens for r in rows):
+        raise RuntimeError(f"serve-llm prefill counters {counted} do not match the prompts sent")
+    return rows
 
 
-def summarize(rows: list[Row], config: AppConfig) -> str:
-    systems = list(dict.fromkeys(r.system for r in rows))
-    turns = sorted({r.turn for r in rows})
-    ideal = _ideal_tokens(rows)
-    lines = [f"model {config.model_name} ({config.engine_dtype}), block size {config.block_size}, "
-             f"KV {kv_bytes_per_token(config.model_path())} bytes/token, machine {os.cpu_count()} CPU cores", "",
-             "| system | turn-1 TTFT p50 ms | later TTFT p50 ms | later TTFT p95 ms | prefilled / ideal "
-             "| later-turn hits |",
-             "|---|---|---|---|---|---|"]
-    later_p50 = {}
-    for s in systems:
-        mine = [r for r in rows if r.system == s]
-        first = [r.ttft_s for r in mine if r.turn == 1]
-        later = [r for r in mine if r.turn > 1]
-        later_p50[s] = statistics.median(r.ttft_s for r in later)
-        hits = sum(r.cached_tokens > 0 for r in later) / len(later)
-        lines.append(f"| {s} | {statistics.median(first) * 1e3:.0f} | {later_p50[s] * 1e3:.0f} | "
-                     f"{_p95([r.ttft_s for r in later]) * 1e3:.0f} | "
-                     f"{sum(r.prefilled_tokens for r in mine) / ideal[s]:.2f}x | {hits:.2f} |")
-    lines += ["", "TTFT p50 ms by turn: " + "; ".join(
-        f"{s}: " + " ".join(f"{statistics.median(r.ttft_s for r in rows if r.system == s and r.turn == t) * 1e3:.0f}"
-                            for t in turns) for s in systems)]
-    if "pull+preserve" in later_p50:
-        for peer in ("disagg", "vllm"):
-            if peer in later_p50:
-                lines.append(f"later-turn TTFT p50, pull+preserve / {peer}: "
-                             f"{later_p50['pull+preserve'] / later_p50[peer]:.2f}x")
-    return "\n".join(lines)
+def run_scenario(scenario: Scenario, preset: Preset, config: AppConfig, tokenizer, proxy_url: str | None,
+                 app_url: str | None, model: str, progress) -> list[Row]:
+    """The scenario's systems in order. `app_url`: a running app (else the app is started on the
+    local Serve at `proxy_url` with `config` when the first app system needs it)."""
+    from benchmarks.peers import plain_vllm
+
+    rows: list[Row] = []
+    for system in scenario.systems:
+        if system == "vllm":
+            with plain_vllm(config) as url:
+                warm_up(url, tokenizer, {"model": model})
+                rows += rows_of(scenario.name, drive(url, system, tokenizer, preset, {"model": model}), {}, {})
+        elif system == "serve-llm":
+            if proxy_url is None:
+                raise ValueError("serve-llm runs on the local Ray started by this benchmark (no --url)")
+            rows += run_serve_llm(scenario, config, proxy_url, tokenizer, preset, model)
+        else:
+            if app_url is None:
+                from app.launch import replace_app
+
+                replace_app(config)
+                app_url = proxy_url
+            warm_up(app_url, tokenizer, {**APP_SYSTEMS[system], "model": model})
+            run = drive(app_url, system, tokenizer, preset, {**APP_SYSTEMS[system], "model": model})
+            rows += rows_of(scenario.name, run, app_decisions(app_url), {}, kv_bytes_per_token(config.model_path()))
+        progress.update(1)
+    return rows
 
 
-def _p95(values: list[float]) -> float:
-    return statistics.quantiles(values, n=20)[-1] if len(values) > 1 else values[0]
-
-
-def _ideal_tokens(rows: list[Row]) -> dict[str, int]:
-    """Turn 1's prompt, then only each later turn's new tokens: the reply was computed in decode."""
-    ideal: dict[str, int] = {}
-    for s in {r.system for r in rows}:
-        for c in {r.conversation for r in rows if r.system == s}:
-            turns = sorted((r for r in rows if r.system == s and r.conversation == c), key=lambda r: r.turn)
-            ideal[s] = ideal.get(s, 0) + turns[0].prompt_tokens + sum(
-                max(b.prompt_tokens - a.prompt_tokens - a.completion_tokens, 0) for a, b in zip(turns, turns[1:]))
-    return ideal
-
-
-def write_results(rows: list[Row], summary: str, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    out.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist([asdict(r) for r in rows]), out / "rows.parquet")
-    (out / "summary.md").write_text(summary + "\n")
-    systems = list(dict.fromkeys(r.system for r in rows))
-    turns = sorted({r.turn for r in rows})
-    figure, (ttft_axis, tokens_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for s in systems:
-        ttft_axis.plot(turns, [statistics.median(r.ttft_s for r in rows if r.system == s and r.turn == t) * 1e3
-                               for t in turns], marker="o", label=s)
-        per_turn = [sum(r.prefilled_tokens for r in rows if r.system == s and r.turn == t) for t in turns]
-        tokens_axis.plot(turns, [sum(per_turn[:i + 1]) for i in range(len(turns))], marker="o", label=s)
-    ttft_axis.set(xlabel="turn", ylabel="TTFT p50 (ms)", title="Time to first token by turn")
-    tokens_axis.set(xlabel="turn", ylabel="tokens prefilled (cumulative)", title="Prefill work")
-    for axis in (ttft_axis, tokens_axis):
-        axis.legend()
-        axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(out / "multi_turn.png", dpi=100)
-
-
-def run(url: str | None, systems: list[str], preset: str, config: AppConfig, progress=None,
-        model: str = "tiny-qwen3") -> list[Row]:
-    """Run the systems in order; `url` is a running app for the app systems (else one is started)."""
-    from tqdm import tqdm
+def load_tokenizer(config: AppConfig):
+    """The model's tokenizer (sizes the prompts); builds the embedded model first if needed."""
     from transformers import AutoTokenizer
 
-    profile, in_flight, think_s = PRESETS[preset]
-    tokenizer = AutoTokenizer.from_pretrained(str(config.model_path()))
-    progress = progress or tqdm(total=len(systems), desc="systems", file=sys.stderr)
-    rows: list[Row] = []
-    for system in systems:
-        if system == "vllm":
-            server, plain_url = start_plain_vllm(config)
-            try:
-                rows += run_system(plain_url, system, tokenizer, profile, in_flight, think_s, {"model": model},
-                                   progress)
-            finally:
-                server.terminate()
-                server.wait(timeout=60)
-            continue
-        if url is None:
-            from app.launch import start_local
+    from app.config import TINY_MODEL
+    from app.model.tiny import ensure_tiny_model
 
-            url = start_local(config)
-        rows += run_system(url, system, tokenizer, profile, in_flight, think_s, {**APP_SYSTEMS[system], "model": model},
-                           progress)
-    return rows
+    if config.model == TINY_MODEL:
+        ensure_tiny_model(config.model_path())
+    return AutoTokenizer.from_pretrained(str(config.model_path()))
+
+
+def run(url: str | None, systems: list[str], preset: str | Preset, config: AppConfig,
+        model: str = "tiny-qwen3") -> list[Row]:
+    """`systems` against one app: `url` (a running app, a cluster's endpoint) or the embedded
+    default started here with `config`. Rows are labelled scenario "app"."""
+    from tqdm import tqdm
+
+    from app.launch import start_serve
+
+    proxy_url = start_serve() if url is None else None
+    tokenizer = load_tokenizer(config)
+    progress = tqdm(total=len(systems), desc="systems", file=sys.stderr)
+    preset = PRESETS[preset] if isinstance(preset, str) else preset
+    return run_scenario(Scenario("app", {}, tuple(systems)), preset, config, tokenizer, proxy_url, url,
+                        model, progress)
+
+
+def run_all(names: list[str], preset: Preset, base_args: dict[str, str]) -> tuple[list[Row], AppConfig]:
+    """Every scenario on a local Ray and Serve, one after another; returns rows and the base config."""
+    from tqdm import tqdm
+
+    from app.launch import delete_app, start_serve
+
+    plan = [scenarios(preset)[n] for n in names]
+    base = load_config({"max_model_len": str(preset.max_model_len), **base_args})
+    tokenizer = load_tokenizer(base)
+    proxy_url = start_serve()
+    progress = tqdm(total=sum(len(s.systems) for s in plan), desc="systems", file=sys.stderr)
+    rows: list[Row] = []
+    for scenario in plan:
+        delete_app()
+        config = load_config({"max_model_len": str(preset.max_model_len), **base_args, **scenario.app_args})
+        rows += run_scenario(scenario, preset, config, tokenizer, proxy_url, None, base.model_name, progress)
+    return rows, base
+
+
+def preset_from_args(args: argparse.Namespace) -> Preset:
+    """The named preset with any size given on the command line."""
+    preset = PRESETS[args.preset]
+    sizes = {k: v for k, v in vars(args).items() if v is not None}
+    profile = replace(preset.profile, **{k: sizes[k] for k in PROFILE_FIELDS if k in sizes})
+    return replace(preset, profile=profile, **{k: sizes[k] for k in PRESET_FIELDS if k in sizes})
+
+
+PROFILE_FIELDS = {"system_tokens": int, "user_tokens": int, "reply_tokens": int, "turns": int}
+PRESET_FIELDS = {"in_flight": int, "think_s": float, "think_distribution": str, "pool_blocks": int}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="a running app (prefill cache off for the cache-loss scenario)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    parser.add_argument("--systems", nargs="+", default=["vllm", "disagg", "pull", "pull+preserve"])
+    for name, kind in {**PROFILE_FIELDS, **PRESET_FIELDS}.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, help="overrides the preset's value")
+    parser.add_argument("--scenarios", nargs="+", default=["prefix-off", "small-pool", "2-prefill"],
+                        choices=["prefix-off", "small-pool", "2-prefill"])
+    parser.add_argument("--url", help="a running app (a cluster's endpoint): run --systems against it instead")
+    parser.add_argument("--systems", nargs="+", default=["disagg", "pull", "pull+preserve"],
+                        choices=[*PEERS, *APP_SYSTEMS])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / time.strftime("%Y%m%d-%H%M%S"))
     args = parser.parse_args()
-    config = load_config({"prefill.prefix_caching": "false"})
-    rows = run(args.url, args.systems, args.preset, config)
+    preset = preset_from_args(args)
+    if args.url:
+        config = load_config({"max_model_len": str(preset.max_model_len)})
+        rows = run(args.url, args.systems, preset, config)
+    else:
+        rows, config = run_all(args.scenarios, preset, {})
     summary = summarize(rows, config)
     write_results(rows, summary, args.out)
     print(summary)

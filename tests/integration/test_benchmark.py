@@ -3,12 +3,15 @@ and later turns cheaper than turn 1 for this project."""
 
 import pytest
 
-from benchmarks.multi_turn import run, summarize, write_results
+from benchmarks.multi_turn import PRESETS, Scenario, load_tokenizer, run, run_scenario
+from benchmarks.report import summarize, write_results
 
 pytestmark = pytest.mark.integration
-SCHEMA = {"system": "string", "conversation": "int64", "turn": "int64", "prompt_tokens": "int64",
+SCHEMA = {"scenario": "string", "system": "string", "conversation": "int64", "turn": "int64", "started_s": "double",
+          "prompt_tokens": "int64",
           "completion_tokens": "int64", "cached_tokens": "int64", "prefilled_tokens": "int64", "ttft_s": "double",
-          "itl_s": "double", "e2e_s": "double", "decision": "string", "pulled_tokens": "int64"}
+          "itl_s": "double", "e2e_s": "double", "decision": "string", "pulled_tokens": "int64", "pulled_bytes": "int64",
+          "plan_s": "double", "prefill_s": "double", "decode_first_s": "double"}
 
 
 def test_ci_preset_writes_stable_results_and_later_turns_are_cheaper(base_url, app_config, tmp_path):
@@ -20,12 +23,27 @@ def test_ci_preset_writes_stable_results_and_later_turns_are_cheaper(base_url, a
     table = pq.read_table(tmp_path / "rows.parquet")
     assert {f.name: str(f.type) for f in table.schema} == SCHEMA
     assert (tmp_path / "multi_turn.png").stat().st_size > 10_000
-    assert "pull+preserve / disagg" in (tmp_path / "summary.md").read_text()
+    assert "pull+preserve / disagg (app)" in (tmp_path / "summary.md").read_text()
     mine = [r for r in rows if r.system == "pull+preserve"]
     first = [r.prefilled_tokens for r in mine if r.turn == 1]
     later = [r.prefilled_tokens for r in mine if r.turn > 1]
     assert max(later) < min(first), (first, later)
     assert all(r.decision == "pull" for r in mine if r.turn > 1)
+
+
+def test_serve_llm_peer_serves_the_same_conversations(base_url, app_config):
+    """Ray Serve LLM's build_pd_openai_app on the same Serve, same model and engine settings: every
+    turn answered in full, and its prefill engine's own counters show every prompt token computed
+    (the standard flow under cache loss), which the run checks before returning rows."""
+    from tqdm import tqdm
+
+    preset = PRESETS["ci"]
+    rows = run_scenario(Scenario("prefix-off", {}, ("serve-llm",)), preset, app_config, load_tokenizer(app_config),
+                        base_url, base_url, app_config.model_name, tqdm(disable=True))
+    assert len(rows) == preset.in_flight * preset.profile.turns
+    assert all(r.completion_tokens == preset.profile.reply_tokens and r.prefilled_tokens == r.prompt_tokens
+               for r in rows)
+    assert all(b.prompt_tokens > a.prompt_tokens for a, b in zip(rows, rows[1:]) if a.conversation == b.conversation)
 
 
 def test_notebook_executes_headless_against_the_app(base_url, tmp_path):

@@ -26,6 +26,7 @@ def test_serve_args_are_typed_and_dotted(tmp_path):
     ({"reverse_pull": "maybe"}, "expected a boolean"),
     ({"retention_ttl_s": "1", "expiry_margin_s": "5"}, "retention_ttl_s must exceed"),
     ({"prefill.replicas": "0"}, "replicas must be >= 1"),
+    ({"max_model_len": "4096", "prefill.num_gpu_blocks_override": "128"}, "plus one block"),
 ])
 def test_bad_config_is_refused_with_the_reason(args, message):
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,132 @@
+"""The systems users would pick instead of this project, started with the same model and engine
+settings: one plain vLLM OpenAI server (aggregated, prefix caching on) and Ray Serve LLM's
+`build_pd_openai_app` (the standard prefill/decode flow: no reverse pull)."""
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from app.config import AppConfig, EngineGroupConfig
+from app.launch import free_local_port
+from app.nixl_poll import POLL_DELAY_ENV
+
+SERVE_LLM_APP = "serve-llm-pd"
+SERVE_LLM_PREFIX = "/serve-llm"
+
+
+def _wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} did not become healthy")
+
+
+@contextmanager
+def plain_vllm(config: AppConfig) -> Iterator[str]:
+    """vLLM's own OpenAI server on one engine: the single-engine ideal. Yields its URL."""
+    port = free_local_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_path()),
+               "--served-model-name", config.model_name, "--dtype", config.engine_dtype, "--block-size",
+               str(config.block_size), "--max-model-len", str(config.max_model_len), "--enforce-eager",
+               "--enable-prefix-caching", "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(command, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(f"{url}/health", 600, alive=lambda: server.poll() is None)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def serve_llm_pd_args(config: AppConfig) -> dict:
+    """`build_pd_openai_app` args for one prefill and one decode engine with this app's engine
+    settings (model, dtype, block size, pools, prefix caching, NIXL over UCX with the same poll
+    delay), each engine on its own core."""
+
+    def llm_config(group: EngineGroupConfig, core: int) -> dict:
+        transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                    "kv_connector_extra_config": {"backends": list(config.nixl_backends)}}
+        engine = {"dtype": config.engine_dtype, "block_size": config.block_size,
+                  "max_model_len": config.max_model_len, "enforce_eager": True,
+                  "enable_prefix_caching": group.prefix_caching, "kv_transfer_config": transfer,
+                  "worker_extension_cls": "app.nixl_poll.NixlPollDelay", "enable_prompt_tokens_details": True}
+        if group.num_gpu_blocks_override:
+            engine["num_gpu_blocks_override"] = group.num_gpu_blocks_override
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(group.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": str(core),
+               POLL_DELAY_ENV: str(config.nixl_poll_delay_us)}
+        return {"model_loading_config": {"model_id": config.model_name, "model_source": str(config.model_path())},
+                "accelerator_config": {"kind": "cpu"}, "placement_group_config": {"bundles": [{"CPU": 1}]},
+                "engine_kwargs": engine, "runtime_env": {"env_vars": env}, "log_engine_metrics": True,
+                # The engine's bundle holds the replica too, as in this app: one logical CPU per engine.
+                "deployment_config": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}}}
+
+    cores = os.cpu_count() or 1
+    return {"prefill_config": llm_config(config.prefill, 0), "decode_config": llm_config(config.decode, 1 % cores),
+            # The engine replicas take the logical CPUs; the ingress is I/O only (as this app's router).
+            "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}}
+
+
+@contextmanager
+def serve_llm_pd(config: AppConfig, proxy_url: str) -> Iterator[str]:
+    """Ray Serve LLM's P/D app on the running Serve (beside no other engines), at SERVE_LLM_PREFIX."""
+    from ray import serve
+    from ray.serve.llm import build_pd_openai_app
+
+    serve.run(build_pd_openai_app(serve_llm_pd_args(config)), name=SERVE_LLM_APP, route_prefix=SERVE_LLM_PREFIX)
+    url = proxy_url + SERVE_LLM_PREFIX
+    try:
+        _wait_healthy(f"{url}/v1/models", 120)
+        yield url
+    finally:
+        serve.delete(SERVE_LLM_APP)
+
+
+def serve_llm_prefill_replica() -> str:
+    """The replica id of Serve LLM's prefill deployment (the suffix of its actor's name)."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::{SERVE_LLM_APP}#Prefill:")]
+    if len(names) != 1:
+        raise RuntimeError(f"expected one Serve LLM prefill replica, found {names}")
+    return names[0].rsplit("#", 1)[1]
+
+
+def prompt_tokens_by_source(replica_id: str) -> dict[str, float]:
+    """vLLM's per-source prompt token counters of one Serve LLM replica, from this node's Ray
+    metrics endpoint (Serve LLM reports no per-request prefill hits)."""
+    import ray
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("ray_vllm_prompt_tokens_by_source_total{") and f'ReplicaId="{replica_id}"' in line:
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            totals[source] = totals.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def prompt_tokens_since(replica_id: str, before: dict[str, float], expected: int,
+                        timeout_s: float = 60) -> dict[str, int]:
+    """Counter deltas once they account for `expected` prompt tokens (Ray exports them with a lag)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = prompt_tokens_by_source(replica_id)
+        delta = {k: int(v - before.get(k, 0.0)) for k, v in now.items()}
+        if sum(delta.values()) >= expected or time.monotonic() > deadline:
+            return delta
+        time.sleep(2)

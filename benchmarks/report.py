@@ -1,0 +1,190 @@
+"""What the multi-turn benchmark records and makes of it: one Row per request; the Markdown summary
+(per system and scenario, the stage split of later turns, the ratios against the targets); the
+Parquet file and the PNG plots. Used by `benchmarks/multi_turn.py` and its notebook.
+"""
+
+import os
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from app.config import AppConfig
+from app.metrics import kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class Row:
+    scenario: str
+    system: str
+    conversation: int
+    turn: int
+    started_s: float
+    """When the turn was sent, seconds after the system's run began."""
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prefilled_tokens: int
+    ttft_s: float
+    itl_s: float
+    e2e_s: float
+    decision: str
+    pulled_tokens: int
+    pulled_bytes: int
+    plan_s: float
+    """This app's stages, from its decision log (0 for peers): locate KV and choose a replica,"""
+    prefill_s: float
+    """run prefill (pull or recompute), and get decode's first token, all inside the router;"""
+    decode_first_s: float
+    """the rest of ttft_s is outside: HTTP proxy, rendering, streaming hops."""
+
+
+def _label(row: Row) -> tuple[str, str]:
+    return row.scenario, row.system
+
+
+def _turn_ttft(rows: list[Row], turn: int) -> str:
+    values = [r.ttft_s * 1e3 for r in rows if r.turn == turn]
+    return f"{statistics.median(values):.0f}/{_p95(values):.0f}"
+
+
+def _p95(values: list[float]) -> float:
+    return statistics.quantiles(values, n=20)[-1] if len(values) > 1 else values[0]
+
+
+def ideal_tokens(rows: list[Row]) -> int:
+    """Turn 1's prompt, then only each later turn's new tokens: the reply was computed in decode."""
+    total = 0
+    for c in {r.conversation for r in rows}:
+        turns = sorted((r for r in rows if r.conversation == c), key=lambda r: r.turn)
+        total += turns[0].prompt_tokens + sum(
+            max(b.prompt_tokens - a.prompt_tokens - a.completion_tokens, 0) for a, b in zip(turns, turns[1:]))
+    return total
+
+
+@dataclass(frozen=True)
+class SystemSummary:
+    first_p50: float
+    later_p50: float
+    later_p95: float
+    itl_p50: float
+    prefilled_over_ideal: float
+    later_hits: float
+    pulled_share: float
+    throughput: float
+
+    @classmethod
+    def of(cls, rows: list[Row]) -> "SystemSummary":
+        later = [r for r in rows if r.turn > 1]
+        wall = max(r.started_s + r.e2e_s for r in rows) - min(r.started_s for r in rows)
+        return cls(statistics.median(r.ttft_s for r in rows if r.turn == 1), statistics.median(r.ttft_s for r in later),
+                   _p95([r.ttft_s for r in later]), statistics.median(r.itl_s for r in rows),
+                   sum(r.prefilled_tokens for r in rows) / ideal_tokens(rows),
+                   sum(r.cached_tokens > 0 for r in later) / len(later),
+                   sum(r.pulled_tokens for r in later) / max(sum(r.cached_tokens for r in later), 1),
+                   sum(r.completion_tokens for r in rows) / wall)
+
+
+def summarize(rows: list[Row], config: AppConfig) -> str:
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    by_label = {label: SystemSummary.of([r for r in rows if _label(r) == label]) for label in labels}
+    lines = [f"model {config.model_name} ({config.engine_dtype}, {_parameters(config)}), block size "
+             f"{config.block_size}, KV {kv_bytes_per_token(config.model_path())} bytes/token, machine "
+             f"{os.cpu_count()} CPU cores, {_memory_gib():.0f} GiB", "",
+             "| scenario | system | turn-1 TTFT p50 ms | later TTFT p50 ms | later TTFT p95 ms | ITL p50 ms "
+             "| prefilled / ideal | later-turn hits | pulled share of cached | output tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (scenario, system), s in by_label.items():
+        lines.append(f"| {scenario} | {system} | {s.first_p50 * 1e3:.0f} | {s.later_p50 * 1e3:.0f} | "
+                     f"{s.later_p95 * 1e3:.0f} | {s.itl_p50 * 1e3:.1f} | {s.prefilled_over_ideal:.2f}x | "
+                     f"{s.later_hits:.2f} | {s.pulled_share:.2f} | {s.throughput:.0f} |")
+    turns = sorted({r.turn for r in rows})
+    lines += ["", "TTFT p50/p95 ms by turn:"] + [
+        f"- {scenario}/{system}: " + " ".join(_turn_ttft([r for r in rows if _label(r) == (scenario, system)], t)
+                                               for t in turns) for scenario, system in labels]
+    return "\n".join(lines + ["", "Later-turn TTFT p50 by stage, ms (plan / prefill / decode first token / "
+                               "outside the router: proxy, rendering, streaming):"]
+                     + breakdown_lines(rows, labels) + [""] + ratio_lines(by_label))
+
+
+def breakdown_lines(rows: list[Row], labels: list[tuple[str, str]]) -> list[str]:
+    lines = []
+    for label in labels:
+        later = [r for r in rows if _label(r) == label and r.turn > 1 and r.prefill_s > 0]
+        if later:
+            stages = [statistics.median(v) * 1e3 for v in zip(*[
+                (r.plan_s, r.prefill_s, r.decode_first_s, r.ttft_s - r.plan_s - r.prefill_s - r.decode_first_s)
+                for r in later])]
+            lines.append(f"- {'/'.join(label)}: " + " / ".join(f"{v:.0f}" for v in stages))
+    return lines
+
+
+def ratio_lines(by_label: dict[tuple[str, str], SystemSummary]) -> list[str]:
+    """pull+preserve against every other system of its scenario and the single-engine ideal."""
+    ideal = next((s for (_, system), s in by_label.items() if system == "vllm"), None)
+    targets = {"vllm": " (target <= 1.3)", "serve-llm": " (target <= 0.4)", "disagg": " (target <= 0.4)"}
+    lines = []
+    for (scenario, system), mine in by_label.items():
+        if system != "pull+preserve":
+            continue
+        peers = {p: s for (sc, p), s in by_label.items() if sc == scenario and p != system}
+        if ideal is not None:
+            peers.setdefault("vllm", ideal)
+        for name, peer in peers.items():
+            lines.append(f"- later-turn TTFT p50, pull+preserve / {name} ({scenario}): "
+                         f"{mine.later_p50 / peer.later_p50:.2f}x{targets.get(name, '')}")
+        lines.append(f"- tokens prefilled, pull+preserve / ideal ({scenario}): {mine.prefilled_over_ideal:.2f}x "
+                     f"(target <= 1.1)")
+    return lines
+
+
+def _parameters(config: AppConfig) -> str:
+    import json
+
+    hf = json.loads((config.model_path() / "config.json").read_text())
+    return f"{hf.get('num_hidden_layers')} layers, hidden {hf.get('hidden_size')}"
+
+
+def _memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def write_results(rows: list[Row], summary: str, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist([asdict(r) for r in rows]), out / "rows.parquet")
+    (out / "summary.md").write_text(summary + "\n")
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    turns = sorted({r.turn for r in rows})
+    # A colour per system, a line style per scenario: up to 20 systems stay apart.
+    colors = {system: plt.cm.tab20(i % 20) for i, system in enumerate(dict.fromkeys(s for _, s in labels))}
+    styles = {scenario: ("-", "--", ":", "-.")[i % 4] for i, scenario in enumerate(dict.fromkeys(s for s, _ in labels))}
+    figure, (ttft_axis, tokens_axis) = plt.subplots(1, 2, figsize=(15, 5.5))
+    for scenario, system in labels:
+        mine = [r for r in rows if _label(r) == (scenario, system)]
+        line = {"color": colors[system], "linestyle": styles[scenario], "marker": "o", "markersize": 3,
+                "label": f"{scenario}/{system}"}
+        ttft_axis.plot(turns, [statistics.median(r.ttft_s for r in mine if r.turn == t) * 1e3 for t in turns], **line)
+        per_turn = [sum(r.prefilled_tokens for r in mine if r.turn == t) for t in turns]
+        tokens_axis.plot(turns, [sum(per_turn[:i + 1]) for i in range(len(turns))], **line)
+    _reference_lines(tokens_axis, [r for r in rows if _label(r) == labels[0]], turns)
+    ttft_axis.set(xlabel="turn", ylabel="TTFT p50 (ms)", title="Time to first token by turn", yscale="log")
+    tokens_axis.set(xlabel="turn", ylabel="tokens prefilled (cumulative)", title="Prefill work")
+    ttft_axis.grid(alpha=0.3)
+    tokens_axis.grid(alpha=0.3)
+    tokens_axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    figure.tight_layout()
+    figure.savefig(out / "multi_turn.png", dpi=100)
+
+
+def _reference_lines(axis, rows: list[Row], turns: list[int]) -> None:
+    """Cumulative ideal (only new tokens after turn 1) and no reuse (every prompt in full)."""
+    ideal = [ideal_tokens([r for r in rows if r.turn <= t]) for t in turns]
+    no_reuse = [sum(r.prompt_tokens for r in rows if r.turn <= t) for t in turns]
+    axis.plot(turns, ideal, "k--", label="ideal")
+    axis.plot(turns, no_reuse, "k:", label="no reuse")
