@@ -7,11 +7,12 @@
 Building the graph starts nothing and builds no model; replicas do that when they start.
 """
 
-from typing import Any
-
-from ray.serve import Application
+from typing import TYPE_CHECKING, Any
 
 from app.config import AppConfig, EngineGroupConfig, load_config
+
+if TYPE_CHECKING:  # vLLM imports this package in every engine process: keep Ray out of it
+    from ray.serve import Application
 
 
 def _engine_options(config: AppConfig, group: EngineGroupConfig) -> dict[str, Any]:
@@ -24,7 +25,7 @@ def _engine_options(config: AppConfig, group: EngineGroupConfig) -> dict[str, An
             "max_ongoing_requests": 64, "health_check_period_s": 10, "health_check_timeout_s": 60}
 
 
-def build_graph(config: AppConfig) -> Application:
+def build_graph(config: AppConfig) -> "Application":
     from deployments.decode import DecodeServer
     from deployments.kv_index import KVIndexServer
     from deployments.prefill import PrefillServer
@@ -36,6 +37,6 @@ def build_graph(config: AppConfig) -> Application:
     return Router.options(name="router", num_replicas=config.router_replicas).bind(config, index, prefill, decode)
 
 
-def graph(args: dict[str, Any] | None = None) -> Application:
+def graph(args: dict[str, Any] | None = None) -> "Application":
     """The Serve application builder; `args` are the key=value pairs of `serve run`."""
     return build_graph(load_config(args))
