@@ -58,6 +58,10 @@ def turn_cost(decision: RoutingDecision, prompt_tokens: int, queued_tokens: int,
             + pulled * weights.transfer_cost_per_token)
 
 
+class NoPrefillReplica(RuntimeError):
+    """No prefill replica has registered yet (the engines are starting): the router answers 503."""
+
+
 class PrefillChooser:
     def __init__(self, policy: RoutingPolicy, pull_policy: PullPolicy, weights: CostWeights) -> None:
         self.policy, self.pull_policy, self.weights = policy, pull_policy, weights
@@ -69,7 +73,7 @@ class PrefillChooser:
                affinity_key: str, now: float, pull: PullPolicy | None = None) -> RoutingDecision:
         replicas = sorted(lookup.prefill_cached_tokens)
         if not replicas:
-            raise RuntimeError("no prefill replica has registered with the KV index yet")
+            raise NoPrefillReplica("no prefill engine is ready yet; retry shortly")
         self._turns += 1
         start = self._turns % len(replicas)
         rotated = replicas[start:] + replicas[:start]  # ties go to the next replica in turn

@@ -64,5 +64,9 @@ class KVIndexServer:
     async def record_prefill(self, replica_id: str, hashes: list[bytes]) -> None:
         self.index.record_prefill(replica_id, hashes)
 
+    async def ready(self) -> bool:
+        """At least one prefill and one decode engine have started and registered."""
+        return all(self.index.replica_ids(role) for role in Role)
+
     async def stats(self) -> dict[str, int]:
         return {**self.index.stats(), "events_applied": self.events_applied}

@@ -27,7 +27,7 @@ from app.openai_api import (
     sse,
     usage,
 )
-from app.routing import RoutingPolicy
+from app.routing import NoPrefillReplica, RoutingPolicy
 from app.sessions import ChatSessions, RenderedTurn
 from app.tenants import Unauthorized, cache_salt, cache_scope
 from app.turn import PreparedTurn, Turn, TurnLoop
@@ -56,6 +56,11 @@ async def _unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
     return _error(str(exc), 401)
 
 
+@api.exception_handler(NoPrefillReplica)
+async def _starting(_: Request, exc: NoPrefillReplica) -> JSONResponse:
+    return JSONResponse(error_body(str(exc), 503), status_code=503, headers={"Retry-After": "5"})
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Router:
@@ -70,8 +75,11 @@ class Router:
         self.loop = TurnLoop(config, index, prefill, decode, metrics)
 
     @api.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self):
+        """Ready when a prefill and a decode engine have registered (a readiness probe)."""
+        if await self.loop.index.ready.remote():
+            return {"status": "ok"}
+        return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "5"})
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:

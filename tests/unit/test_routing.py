@@ -1,6 +1,8 @@
+import pytest
+
 from app.decision import PullPolicy
 from app.protocol import Action, PrefixLookup, RetainedMatch
-from app.routing import CostWeights, HashRing, PrefillChooser, RoutingPolicy
+from app.routing import CostWeights, HashRing, NoPrefillReplica, PrefillChooser, RoutingPolicy
 from tests.factories import BLOCK, retained
 
 NOW = 1000.0
@@ -50,3 +52,10 @@ def test_affinity_is_sticky_and_adding_a_replica_moves_about_one_in_n():
     chooser = _chooser(RoutingPolicy.SESSION_AFFINITY)
     lookup = PrefixLookup(prefill_cached_tokens={"r0": 0, "r1": 0, "r2": 0, "r3": 0})
     assert len({chooser.choose(PROMPT, lookup, {}, "same", NOW).prefill_replica_id for _ in range(5)}) == 1
+
+
+@pytest.mark.parametrize("policy", list(RoutingPolicy))
+def test_before_any_prefill_engine_registers_every_policy_says_so(policy):
+    # The router answers this with 503 and Retry-After, as /health does until engines register.
+    with pytest.raises(NoPrefillReplica, match="retry"):
+        _chooser(policy).choose(PROMPT, PrefixLookup(prefill_cached_tokens={}), {}, "k", NOW)
