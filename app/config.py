@@ -15,7 +15,9 @@ from typing import Any
 
 import yaml
 
+from app.conversations import RenderMode
 from app.hashing import DEFAULT_HASH_SEED
+from app.routing import RoutingPolicy
 
 TINY_MODEL = "tiny-qwen3"
 
@@ -93,7 +95,7 @@ class AppConfig:
     Above 1 s so the worker's shared-memory reader goes idle too."""
     bind_engine_cores: bool = True
     """Pin each CPU engine's OpenMP threads to its own core (VLLM_CPU_OMP_THREADS_BIND)."""
-    routing_policy: str = "kv_aware"
+    routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
     """kv_aware, session_affinity, round_robin or least_loaded (see app/routing.py)."""
     cost_per_token: float = 1.0
     """kv_aware: cost of one prompt token prefill must compute."""
@@ -101,7 +103,7 @@ class AppConfig:
     """kv_aware: cost of one prefill token already queued on the replica."""
     transfer_cost_per_token: float = 0.05
     """kv_aware: cost of one token pulled from decode instead of computed."""
-    conversation_mode: str = "preserve"
+    conversation_mode: RenderMode = RenderMode.PRESERVE
     """preserve: append each turn to the previous turn's exact tokens; template: re-render history."""
     conversation_ttl_s: float = 1800.0
     """How long a finished turn's record can serve the next turn."""
@@ -124,13 +126,10 @@ class AppConfig:
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
             "stream_interval_tokens must be >= 1": self.stream_interval_tokens >= 1,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
-            "conversation_mode must be preserve or template": self.conversation_mode in ("preserve", "template"),
             # vLLM keeps one block of the pool as its null block.
             "a num_gpu_blocks_override pool must hold max_model_len tokens plus one block": all(
                 g.num_gpu_blocks_override == 0 or g.num_gpu_blocks_override * self.block_size > self.max_model_len
                 for g in (self.prefill, self.decode)),
-            "routing_policy must be kv_aware, session_affinity, round_robin or least_loaded":
-                self.routing_policy in ("kv_aware", "session_affinity", "round_robin", "least_loaded"),
         }
         failed = [msg for msg, ok in checks.items() if not ok]
         if failed:

@@ -2,7 +2,7 @@
 
 import socket
 
-from app.config import AppConfig
+from app.config import TINY_MODEL, AppConfig
 from app.graph import build_graph
 from app.model.tiny import ensure_tiny_model
 
@@ -37,7 +37,7 @@ def replace_app(config: AppConfig) -> None:
     """Run the graph for `config` at / on the running Serve, stopping the one there first."""
     from ray import serve
 
-    if config.model == "tiny-qwen3":
+    if config.model == TINY_MODEL:
         ensure_tiny_model(config.model_path())
     delete_app()
     serve.run(build_graph(config), name=APP_NAME, route_prefix="/")

@@ -60,8 +60,9 @@ class TurnMetrics:
             self.bytes_pulled.inc(pulled_tokens * self.kv_bytes_per_token)
 
     def record_ttft(self, turn_index: int, ttft_s: float) -> None:
-        self.ttft.observe(ttft_s, {"turn": str(turn_index) if turn_index < 10 else "10+"})
-        self.requests.inc(1, {"turn": str(turn_index) if turn_index < 10 else "10+"})
+        tags = {"turn": str(turn_index) if turn_index < 10 else "10+"}
+        self.ttft.observe(ttft_s, tags)
+        self.requests.inc(1, tags)
 
     def record_later_turn(self, policy: str, hit: bool, same_replica: bool) -> None:
         self.later_turns.inc(1, {"policy": policy, "hit": str(hit).lower(), "same_replica": str(same_replica).lower()})

@@ -6,11 +6,13 @@ is never read: only the router's own records decide what is pulled from where.
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from app.conversations import RenderMode
 from app.protocol import SamplingSettings
+from app.routing import RoutingPolicy
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
@@ -59,7 +61,7 @@ class GenerationRequest(BaseModel):
     """vLLM's extension: constrain the reply (here: `regex`)."""
     return_token_ids: bool = False
     """vLLM's extension: include prompt and generated token ids in the response."""
-    routing_policy: Literal["kv_aware", "session_affinity", "round_robin", "least_loaded"] | None = None
+    routing_policy: RoutingPolicy | None = None
     """This project's extension: the prefill routing policy for this request (default: the config's)."""
     reverse_pull: bool | None = None
     """This project's extension: false switches the reverse KV pull off for this request only."""
@@ -79,7 +81,7 @@ class GenerationRequest(BaseModel):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    conversation_mode: Literal["preserve", "template"] | None = None
+    conversation_mode: RenderMode | None = None
     """This project's extension: how to render history for this request (default: the config's)."""
 
     def template_messages(self) -> list[dict[str, Any]]:

@@ -164,3 +164,8 @@ class RoutingDecision:
     """The decode blocks to read, cut to the full blocks inside the common prefix."""
     retained: RetainedBlocks | None = None
     """The retained sequence considered, pulled or not (so the router can release it)."""
+
+    @property
+    def pulled_tokens(self) -> int:
+        """Tokens this decision reads from decode instead of computing (0 when it recomputes)."""
+        return self.tokens_pullable - self.tokens_local if self.action == Action.PULL else 0

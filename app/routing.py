@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import xxhash
 
 from app.decision import PullPolicy, decide
-from app.protocol import Action, PrefixLookup, RoutingDecision
+from app.protocol import PrefixLookup, RoutingDecision
 
 
 class RoutingPolicy(str, enum.Enum):
@@ -52,10 +52,9 @@ def _hash(key: str) -> int:
 
 
 def turn_cost(decision: RoutingDecision, prompt_tokens: int, queued_tokens: int, weights: CostWeights) -> float:
-    pulled = decision.tokens_pullable - decision.tokens_local if decision.action == Action.PULL else 0
-    to_compute = prompt_tokens - decision.tokens_local - pulled
+    to_compute = prompt_tokens - decision.tokens_local - decision.pulled_tokens
     return (to_compute * weights.cost_per_token + queued_tokens * weights.load_weight
-            + pulled * weights.transfer_cost_per_token)
+            + decision.pulled_tokens * weights.transfer_cost_per_token)
 
 
 class NoPrefillReplica(RuntimeError):

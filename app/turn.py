@@ -159,7 +159,7 @@ class TurnLoop:
 
     def _log(self, turn: Turn, decision: RoutingDecision, result: PrefillResult,
              measured: dict[str, float | None]) -> dict[str, Any]:
-        pulled = decision.tokens_pullable - decision.tokens_local if decision.action == Action.PULL else 0
+        pulled = decision.pulled_tokens
         entry = {"event": "kv_decision", "request_id": turn.request_id, "time": time.time(),
                  "prompt_tokens": len(turn.prompt_token_ids), "cached_tokens": result.num_cached_tokens,
                  "pulled_tokens": pulled, "prefill_replica": result.replica_id,

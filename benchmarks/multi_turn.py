@@ -32,13 +32,14 @@ from pathlib import Path
 
 import httpx
 
-from app.client import TurnResult, chat_turn
+from app.client import TurnResult
 from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
+from app.routing import RoutingPolicy
 from benchmarks.report import Row, summarize, write_results
-from benchmarks.workload import Profile, plan_conversation
+from benchmarks.workload import Profile, load_tokenizer, plan_conversation, replay
 
-POLICIES = ("kv_aware", "session_affinity", "round_robin", "least_loaded")
+POLICIES = tuple(p.value for p in RoutingPolicy)
 APP_SYSTEMS = {"disagg": {"reverse_pull": False, "conversation_mode": "template"},
                "preserve": {"reverse_pull": False, "conversation_mode": "preserve"},
                "pull": {"conversation_mode": "template"},
@@ -98,16 +99,7 @@ class SystemRun:
 def converse(client, tokenizer, run: SystemRun, index: int, preset: Preset, extra: dict) -> list:
     plan = plan_conversation(tokenizer, preset.profile, f"{run.system} {index} {uuid.uuid4().hex}", preset.think_s,
                              preset.think_distribution, seed=index)
-    messages = [{"role": "system", "content": plan.system}]
-    turns = []
-    for user, think_s in zip(plan.user_turns, (0.0, *plan.think_s)):
-        time.sleep(think_s)
-        messages.append({"role": "user", "content": user})
-        started = time.perf_counter() - run.began
-        result = chat_turn(client, messages, preset.profile.reply_tokens, **extra)
-        messages.append({"role": "assistant", "content": result.text})
-        turns.append((started, result))
-    return turns
+    return replay(client, plan, preset.profile.reply_tokens, run.began, **extra)
 
 
 def drive(url: str, system: str, tokenizer, preset: Preset, extra: dict) -> SystemRun:
@@ -199,18 +191,6 @@ def run_scenario(scenario: Scenario, preset: Preset, config: AppConfig, tokenize
             rows += rows_of(scenario.name, run, app_decisions(app_url), {}, kv_bytes_per_token(config.model_path()))
         progress.update(1)
     return rows
-
-
-def load_tokenizer(config: AppConfig):
-    """The model's tokenizer (sizes the prompts); builds the embedded model first if needed."""
-    from transformers import AutoTokenizer
-
-    from app.config import TINY_MODEL
-    from app.model.tiny import ensure_tiny_model
-
-    if config.model == TINY_MODEL:
-        ensure_tiny_model(config.model_path())
-    return AutoTokenizer.from_pretrained(str(config.model_path()))
 
 
 def run(url: str | None, systems: list[str], preset: str | Preset, config: AppConfig,

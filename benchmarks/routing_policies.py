@@ -20,9 +20,8 @@ import httpx
 
 from app.config import EngineGroupConfig, load_config
 from app.hashing import common_prefix_len
+from app.routing import RoutingPolicy
 from benchmarks.workload import Profile, open_target, run_conversation
-
-POLICIES = ("kv_aware", "session_affinity", "round_robin", "least_loaded")
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -69,7 +68,7 @@ def main() -> None:
             replace_app(config)
         print(f"\n{count} prefill replica(s), 1 decode, {args.conversations} concurrent conversations x "
               f"{args.turns} turns, reverse pull off")
-        for policy in POLICIES:
+        for policy in (p.value for p in RoutingPolicy):
             with ThreadPoolExecutor(args.conversations) as pool:
                 one = partial(run_conversation, client, tokenizer, profile, routing_policy=policy, reverse_pull=False)
                 conversations = list(pool.map(one, [f"{policy}-{count}-{i}" for i in range(args.conversations)]))

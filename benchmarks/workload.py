@@ -5,13 +5,14 @@ replies; text drawn from the embedded model's corpus so token counts are predict
 """
 
 import random
+import time
 from dataclasses import dataclass
 
 from openai import OpenAI
 
 from app.client import TurnResult, chat_turn
-from app.config import AppConfig
-from app.model.tiny import corpus_lines
+from app.config import TINY_MODEL, AppConfig
+from app.model.tiny import corpus_lines, ensure_tiny_model
 
 
 def open_target(url: str | None, config: AppConfig) -> tuple[OpenAI, object, str]:
@@ -21,10 +22,16 @@ def open_target(url: str | None, config: AppConfig) -> tuple[OpenAI, object, str
         from app.launch import start_local
 
         url = start_local(config)
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600), load_tokenizer(config), url
+
+
+def load_tokenizer(config: AppConfig):
+    """The model's tokenizer (sizes the prompts); builds the embedded model first if needed."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(config.model_path()))
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600), tokenizer, url
+    if config.model == TINY_MODEL:
+        ensure_tiny_model(config.model_path())
+    return AutoTokenizer.from_pretrained(str(config.model_path()))
 
 
 @dataclass(frozen=True)
@@ -80,15 +87,26 @@ def plan_conversation(tokenizer, profile: Profile, nonce: str, think_mean_s: flo
         think_s=tuple(think_time(rng, think_mean_s, distribution) for _ in range(profile.turns - 1)))
 
 
+def replay(client: OpenAI, plan: ConversationPlan, reply_tokens: int, began: float | None = None,
+           **extra) -> list[tuple[float, TurnResult]]:
+    """One conversation replayed faithfully (each reply appended as the client received it),
+    streaming, greedy, fixed reply length, with the plan's think time before each later turn; each
+    turn comes with when it was sent, in seconds after `began`."""
+    began = time.perf_counter() if began is None else began
+    messages = [{"role": "system", "content": plan.system}]
+    turns = []
+    for user, think_s in zip(plan.user_turns, (0.0, *plan.think_s)):
+        time.sleep(think_s)
+        messages.append({"role": "user", "content": user})
+        sent = time.perf_counter() - began
+        result = chat_turn(client, messages, reply_tokens, **extra)
+        messages.append({"role": "assistant", "content": result.text})
+        turns.append((sent, result))
+    return turns
+
+
 def run_conversation(client: OpenAI, tokenizer, profile: Profile, nonce: str, model: str = "tiny-qwen3",
                      **extra) -> list[TurnResult]:
-    """One conversation replayed faithfully, streaming, greedy, fixed reply length, no think time."""
+    """One conversation without think time (see `replay`)."""
     plan = plan_conversation(tokenizer, profile, nonce)
-    messages = [{"role": "system", "content": plan.system}]
-    results = []
-    for user in plan.user_turns:
-        messages.append({"role": "user", "content": user})
-        result = chat_turn(client, messages, profile.reply_tokens, model=model, **extra)
-        messages.append({"role": "assistant", "content": result.text})
-        results.append(result)
-    return results
+    return [result for _, result in replay(client, plan, profile.reply_tokens, model=model, **extra)]

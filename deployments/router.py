@@ -15,7 +15,6 @@ from ray import serve
 
 from app.chat import BadRequest, PromptRenderer
 from app.config import TINY_MODEL, AppConfig
-from app.conversations import RenderMode
 from app.metrics import TurnMetrics, kv_bytes_per_token
 from app.model.tiny import ensure_tiny_model
 from app.openai_api import (
@@ -27,7 +26,7 @@ from app.openai_api import (
     sse,
     usage,
 )
-from app.routing import NoPrefillReplica, RoutingPolicy
+from app.routing import NoPrefillReplica
 from app.sessions import ChatSessions, RenderedTurn
 from app.tenants import Unauthorized, cache_salt, cache_scope
 from app.turn import PreparedTurn, Turn, TurnLoop
@@ -36,8 +35,8 @@ DEFAULT_MAX_TOKENS = 256
 api = FastAPI(title="kv-loop")
 
 
-def _error(message: str, status: int) -> JSONResponse:
-    return JSONResponse(error_body(message, status), status_code=status)
+def _error(message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status), status_code=status, headers=headers)
 
 
 @api.exception_handler(RequestValidationError)
@@ -58,7 +57,7 @@ async def _unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
 
 @api.exception_handler(NoPrefillReplica)
 async def _starting(_: Request, exc: NoPrefillReplica) -> JSONResponse:
-    return JSONResponse(error_body(str(exc), 503), status_code=503, headers={"Retry-After": "5"})
+    return _error(str(exc), 503, headers={"Retry-After": "5"})
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -67,7 +66,7 @@ class Router:
     def __init__(self, config: AppConfig, index, prefill, decode) -> None:
         if config.model == TINY_MODEL:
             ensure_tiny_model(config.model_path())
-        self.config = config
+        self.config, self.index = config, index
         self.renderer = PromptRenderer(config.model_path(), config.max_model_len)
         self.sessions = ChatSessions(self.renderer, config.block_size, config.conversation_ttl_s,
                                      config.max_conversations)
@@ -77,7 +76,7 @@ class Router:
     @api.get("/health")
     async def health(self):
         """Ready when a prefill and a decode engine have registered (a readiness probe)."""
-        if await self.loop.index.ready.remote():
+        if await self.index.ready.remote():
             return {"status": "ok"}
         return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "5"})
 
@@ -94,7 +93,7 @@ class Router:
     async def chat_completions(self, body: ChatCompletionRequest, authorization: str | None = Header(None),
                                x_session_id: str | None = Header(None)):
         tenant = cache_scope(authorization, body.user, self.config.api_keys, self.config.per_user_salt_tenants)
-        mode = RenderMode(body.conversation_mode or self.config.conversation_mode)
+        mode = body.conversation_mode or self.config.conversation_mode
         rendered = self.sessions.render(body.template_messages(), body.chat_template_kwargs, tenant,
                                         x_session_id or body.user, mode)
         return await self._serve(body, rendered.prompt_ids, tenant, rendered)
@@ -116,7 +115,7 @@ class Router:
                     prompt_token_ids=tuple(prompt_ids), cache_salt=cache_salt(tenant), sampling=sampling,
                     reverse_pull=self.config.reverse_pull and body.reverse_pull is not False,
                     rendering=rendered.diagnostics if rendered else None,
-                    routing_policy=RoutingPolicy(body.routing_policy or self.config.routing_policy),
+                    routing_policy=body.routing_policy or self.config.routing_policy,
                     affinity_key=rendered.affinity_key if rendered else f"{tenant}:{prompt_ids[:64]}",
                     turn_index=rendered.turn_index if rendered else 1,
                     previous_replica=rendered.previous_replica if rendered else "")

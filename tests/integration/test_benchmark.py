@@ -3,8 +3,9 @@ and later turns cheaper than turn 1 for this project."""
 
 import pytest
 
-from benchmarks.multi_turn import PRESETS, Scenario, load_tokenizer, run, run_scenario
+from benchmarks.multi_turn import PRESETS, Scenario, run, run_scenario
 from benchmarks.report import summarize, write_results
+from benchmarks.workload import load_tokenizer
 
 pytestmark = pytest.mark.integration
 SCHEMA = {"scenario": "string", "system": "string", "conversation": "int64", "turn": "int64", "started_s": "double",
