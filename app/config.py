@@ -89,6 +89,10 @@ class AppConfig:
     stream_interval_tokens: int = 4
     """Decode streams its first token at once, then every this many tokens (vLLM's stream_interval):
     each streamed chunk is two Serve hops, which on a small machine cost the engines CPU time."""
+    first_token_from_prefill: bool = True
+    """Send the client the first token prefill samples, and let decode continue after it: TTFT
+    then excludes decode's KV read and first step. Off, or for requests with stop strings or a
+    regex, decode samples the first token (vLLM's standard disaggregated flow)."""
     engine_idle_poll_s: float = 5.0
     """An engine that only holds finished turns for remote readers waits this long for new work
     between connector polls instead of stepping (app/idle_poll.py); 0 keeps vLLM's busy loop.

@@ -1,12 +1,12 @@
 """Every message that crosses a deployment boundary, defined once.
 
-router ──PrefillRequest──▶ prefill ──PrefillResult(KVHandoff)──▶ router
-router ──DecodeRequest(KVHandoff)──▶ decode ──DecodeChunk…, last one with RetainedBlocks──▶ router
+router ──PrefillRequest──▶ prefill ──PrefillResult(KVHandoff, first ReplyChunk)──▶ router
+router ──DecodeRequest(KVHandoff)──▶ decode ──ReplyChunk…, last one with RetainedBlocks──▶ router
 router ──RetainedBlocks / prefill hashes──▶ kv_index ──PrefixLookup──▶ router
 """
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class Role(str, enum.Enum):
@@ -52,6 +52,12 @@ class KVHandoff:
     engine_expiry: float | None = None
     """The same deadline on the owner's monotonic clock, as the engine reads it."""
 
+    def prefix(self, num_tokens: int, block_size: int) -> "KVHandoff":
+        """The same blocks cut to those holding the first `num_tokens` tokens."""
+        num_blocks = -(-num_tokens // block_size)
+        return replace(self, block_ids=tuple(group[:num_blocks] for group in self.block_ids),
+                       num_tokens=min(num_tokens, self.num_tokens))
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -66,6 +72,26 @@ class SamplingSettings:
 
 
 @dataclass(frozen=True)
+class RetainedBlocks:
+    """Block metadata of a finished sequence that a decode replica keeps for the next turn."""
+
+    replica_id: str
+    handoff: KVHandoff
+    token_ids: tuple[int, ...]
+    """The tokens the retained blocks hold: prompt plus generated, minus the last sampled one."""
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class ReplyChunk:
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    retained: RetainedBlocks | None = None
+    """Set on the final chunk only."""
+
+
+@dataclass(frozen=True)
 class PrefillRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -74,6 +100,9 @@ class PrefillRequest:
     """The replica the router chose; the Serve request router sends the call there."""
     pull: KVHandoff | None = None
     """Blocks to read from a decode replica instead of computing them (router-chosen, never client)."""
+    first_token: SamplingSettings | None = None
+    """The turn's sampling settings: prefill samples the turn's first token with them. None:
+    prefill samples one greedy token nobody sees and decode samples the first token."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +114,9 @@ class PrefillResult:
     """Prompt tokens prefill did not compute: local prefix-cache hits plus pulled tokens."""
     pool_tokens: int = 0
     """Tokens the replica's KV pool holds (for the eviction-horizon estimate)."""
+    first_chunk: ReplyChunk | None = None
+    """The turn's first token, for the client now; decode continues from prompt + this token, whose
+    KV the handoff holds. Its finish_reason is set when the turn ends with it."""
 
 
 @dataclass(frozen=True)
@@ -97,26 +129,6 @@ class DecodeRequest:
     target_replica_id: str = ""
     """Preferred decode replica: the one that held this conversation's previous turn (its prefix
     cache still has those blocks, so it reads less from prefill); "" lets Serve balance."""
-
-
-@dataclass(frozen=True)
-class RetainedBlocks:
-    """Block metadata of a finished sequence that a decode replica keeps for the next turn."""
-
-    replica_id: str
-    handoff: KVHandoff
-    token_ids: tuple[int, ...]
-    """The tokens the retained blocks hold: prompt plus generated, minus the last sampled one."""
-    num_prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class DecodeChunk:
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None
-    retained: RetainedBlocks | None = None
-    """Set on the final chunk only."""
 
 
 class Action(str, enum.Enum):

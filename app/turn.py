@@ -3,7 +3,9 @@ and what decode retained recorded for the next turn.
 
     plan:    hashes ──▶ kv_index.lookup ──▶ decide() ──▶ RoutingDecision
     prefill: PrefillRequest(pull?) ──▶ prefill replica ──▶ PrefillResult   (pull failed: recompute)
-    decode:  DecodeRequest(handoff) ──▶ decode replica ──▶ DecodeChunk…  ──▶ kv_index.record_*
+             its first token goes to the client at once
+    decode:  DecodeRequest(prompt + first token, handoff) ──▶ decode replica ──▶ ReplyChunk…
+             ──▶ kv_index.record_*
 """
 
 import asyncio
@@ -24,11 +26,11 @@ from app.horizon import EvictionHorizon
 from app.metrics import TurnMetrics
 from app.protocol import (
     Action,
-    DecodeChunk,
     DecodeRequest,
     PrefillRequest,
     PrefillResult,
     Reason,
+    ReplyChunk,
     RoutingDecision,
     SamplingSettings,
 )
@@ -94,29 +96,54 @@ class TurnLoop:
         result, decision = await self._prefill(turn, decision)
         measured = {"plan_ms": round((planned - started) * 1e3, 2),
                     "prefill_ms": round((time.perf_counter() - planned) * 1e3, 2),
-                    "eviction_horizon_s": self._observe_load(result, time.time())}
+                    "eviction_horizon_s": self._observe_load(result, time.time()),
+                    "first_token_from": "decode" if result.first_chunk is None else "prefill"}
         entry = self._log(turn, decision, result, measured)
         return PreparedTurn(turn=turn, decision=decision, prefill=result, hashes=hashes, log_entry=entry,
                             started_at=started)
 
-    async def decode(self, prepared: PreparedTurn) -> AsyncIterator[DecodeChunk]:
-        turn = prepared.turn
-        request = DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=turn.prompt_token_ids,
-                                cache_salt=turn.cache_salt, sampling=turn.sampling,
-                                handoff=prepared.prefill.handoff,
-                                target_replica_id=prepared.decision.retained.replica_id
-                                if prepared.decision.retained else "")
-        started, first = time.perf_counter(), True
+    async def decode(self, prepared: PreparedTurn) -> AsyncIterator[ReplyChunk]:
+        first = prepared.prefill.first_chunk
+        if first is not None:
+            self._first_token_sent(prepared)
+            yield first
+            if first.finish_reason is not None:
+                await self._finish_at_prefill(prepared)
+                return
+        request = self._decode_request(prepared)
+        started, waiting = time.perf_counter(), True
         async for chunk in self.decode_group.options(stream=True).decode.remote(request):
-            if first and chunk.token_ids:
-                now = time.perf_counter()
-                prepared.log_entry["decode_first_token_ms"] = round((now - started) * 1e3, 2)
-                prepared.log_entry["ttft_ms"] = round((now - prepared.started_at) * 1e3, 2)
-                self.metrics.record_ttft(turn.turn_index, now - prepared.started_at)
-                first = False
+            if waiting and chunk.token_ids:
+                prepared.log_entry["decode_first_token_ms"] = round((time.perf_counter() - started) * 1e3, 2)
+                if first is None:
+                    self._first_token_sent(prepared)
+                waiting = False
             if chunk.retained is not None:
                 await self._record(prepared, chunk)
             yield chunk
+
+    def _decode_request(self, prepared: PreparedTurn) -> DecodeRequest:
+        turn, first = prepared.turn, prepared.prefill.first_chunk
+        prompt, sampling = turn.prompt_token_ids, turn.sampling
+        if first is not None:  # decode continues after the token prefill sent
+            prompt, sampling = prompt + first.token_ids, replace(sampling, max_tokens=sampling.max_tokens - 1)
+        return DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=prompt,
+                             cache_salt=turn.cache_salt, sampling=sampling, handoff=prepared.prefill.handoff,
+                             target_replica_id=prepared.decision.retained.replica_id
+                             if prepared.decision.retained else "")
+
+    def _first_token_sent(self, prepared: PreparedTurn) -> None:
+        elapsed = time.perf_counter() - prepared.started_at
+        prepared.log_entry["ttft_ms"] = round(elapsed * 1e3, 2)
+        self.metrics.record_ttft(prepared.turn.turn_index, elapsed)
+
+    def _first_token_settings(self, turn: Turn) -> SamplingSettings | None:
+        """Prefill samples the first token unless stop strings or a grammar must see the whole
+        reply in one engine (decode would start them afresh after the first token)."""
+        settings = turn.sampling
+        if not self.config.first_token_from_prefill or settings.stop or settings.regex:
+            return None
+        return settings
 
     async def _plan(self, turn: Turn, hashes: list[bytes]) -> RoutingDecision:
         lookup = await self.index.lookup.remote(hashes)
@@ -127,7 +154,7 @@ class TurnLoop:
     async def _prefill(self, turn: Turn, decision: RoutingDecision) -> tuple[PrefillResult, RoutingDecision]:
         request = PrefillRequest(request_id=f"{turn.request_id}-p", prompt_token_ids=turn.prompt_token_ids,
                                  cache_salt=turn.cache_salt, target_replica_id=decision.prefill_replica_id,
-                                 pull=decision.pull)
+                                 pull=decision.pull, first_token=self._first_token_settings(turn))
         if decision.retained is not None and decision.action == Action.PULL:
             # Reading frees every block of the retained sequence: it can serve one turn only.
             # Not awaited: the index applies it in order, and this turn need not wait.
@@ -148,7 +175,7 @@ class TurnLoop:
         finally:
             self.queued_tokens[decision.prefill_replica_id] -= load
 
-    async def _record(self, prepared: PreparedTurn, chunk: DecodeChunk) -> None:
+    async def _record(self, prepared: PreparedTurn, chunk: ReplyChunk) -> None:
         retained = chunk.retained
         prefill_hashes = self.index.record_prefill.remote(prepared.prefill.replica_id, prepared.hashes)
         if prepared.turn.reverse_pull:
@@ -156,6 +183,11 @@ class TurnLoop:
             return
         # Without reverse pulls nothing will read decode's blocks: free them now, not at TTL.
         await asyncio.gather(prefill_hashes, self.prefill_group.release.remote(retained.handoff))
+
+    async def _finish_at_prefill(self, prepared: PreparedTurn) -> None:
+        """The turn ended with prefill's token: decode never reads the blocks prefill kept for it."""
+        await asyncio.gather(self.index.record_prefill.remote(prepared.prefill.replica_id, prepared.hashes),
+                             self.decode_group.release.remote(prepared.prefill.handoff))
 
     def _log(self, turn: Turn, decision: RoutingDecision, result: PrefillResult,
              measured: dict[str, float | None]) -> dict[str, Any]:

@@ -130,6 +130,8 @@ def rows_of(scenario: str, run: SystemRun, decisions: dict[str, dict], prefill_h
             d = decisions.get(r.request_id, {})
             cached = prefill_hits.get(r.request_id, r.cached_tokens)
             stages = [d.get(k, 0.0) / 1e3 for k in ("plan_ms", "prefill_ms", "decode_first_token_ms")]
+            if d.get("first_token_from") == "prefill":  # decode's first token is the reply's second
+                stages[2] = 0.0
             rows.append(Row(scenario, run.system, i, turn, started, r.prompt_tokens, len(r.output_ids), cached,
                             r.prompt_tokens - cached, r.ttft_s, r.itl_s, r.e2e_s, d.get("action", ""),
                             d.get("pulled_tokens", 0), d.get("pulled_tokens", 0) * bytes_per_token, *stages))

@@ -33,9 +33,10 @@ class Row:
     plan_s: float
     """This app's stages, from its decision log (0 for peers): locate KV and choose a replica,"""
     prefill_s: float
-    """run prefill (pull or recompute), and get decode's first token, all inside the router;"""
+    """run prefill (pull or recompute), and get decode's first token, all inside the router"""
     decode_first_s: float
-    """the rest of ttft_s is outside: HTTP proxy, rendering, streaming hops."""
+    """(0 when prefill sent the first token); the rest of ttft_s is outside: HTTP proxy,
+    rendering, streaming hops."""
 
 
 def _label(row: Row) -> tuple[str, str]:

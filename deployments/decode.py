@@ -1,5 +1,5 @@
 """Decode group: reads prefill's KV over NIXL, streams tokens, and ends with the block metadata of
-the sequence it keeps for the next turn. router ──DecodeRequest──▶ here ──DecodeChunk…──▶ router.
+the sequence it keeps for the next turn. router ──DecodeRequest──▶ here ──ReplyChunk…──▶ router.
 """
 
 from collections.abc import AsyncIterator
@@ -8,7 +8,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from app.engine import from_vllm_params, to_vllm_params
-from app.protocol import DecodeChunk, DecodeRequest, RetainedBlocks, Role
+from app.protocol import DecodeRequest, ReplyChunk, RetainedBlocks, Role
 from deployments.engine_replica import EngineReplica
 from deployments.targeted_router import TargetedRequestRouter
 
@@ -21,7 +21,7 @@ class DecodeFailed(RuntimeError):
 class DecodeServer(EngineReplica):
     role = Role.DECODE
 
-    async def decode(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+    async def decode(self, request: DecodeRequest) -> AsyncIterator[ReplyChunk]:
         params = to_vllm_params(request.handoff, Role.DECODE)
         generated: list[int] = []
         stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.cache_salt,
@@ -32,8 +32,8 @@ class DecodeServer(EngineReplica):
                 raise DecodeFailed(f"decode of {request.request_id} failed in the engine")
             generated.extend(completion.token_ids)
             retained = self._retained(request, generated, output.kv_transfer_params) if output.finished else None
-            yield DecodeChunk(token_ids=tuple(completion.token_ids), text=completion.text,
-                              finish_reason=completion.finish_reason, retained=retained)
+            yield ReplyChunk(token_ids=tuple(completion.token_ids), text=completion.text,
+                             finish_reason=completion.finish_reason, retained=retained)
 
     def _retained(self, request: DecodeRequest, generated: list[int], params) -> RetainedBlocks | None:
         if not params or not params.get("remote_block_ids"):

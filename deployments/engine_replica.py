@@ -9,7 +9,7 @@ from ray import serve
 from app.config import TINY_MODEL, AppConfig
 from app.engine import Engine
 from app.model.tiny import ensure_tiny_model
-from app.protocol import ReplicaInfo, Role
+from app.protocol import KVHandoff, ReplicaInfo, Role
 
 
 class EngineReplica:
@@ -29,6 +29,10 @@ class EngineReplica:
             replica_id=self.replica_id, role=self.role, endpoint=self.engine.endpoint,
             prefix_caching=group.prefix_caching, block_size=config.block_size,
             events_endpoint=self.engine.identity.events_endpoint if config.kv_events else ""))
+
+    async def release(self, handoff: KVHandoff) -> None:
+        """Tell the engine that owns `handoff` (another replica) that nobody will read it."""
+        await self.engine.release(handoff)
 
     async def check_health(self) -> None:
         await self.engine.llm.check_health()

@@ -1,14 +1,21 @@
 """Prefill group: computes a prompt's KV, or pulls the leading blocks from a decode replica over
-NIXL, and holds it for decode to read. router ──PrefillRequest──▶ here ──PrefillResult──▶ router.
+NIXL, and holds it for decode to read; samples the turn's first token when the router asks.
+router ──PrefillRequest──▶ here ──PrefillResult──▶ router
 """
+
+from dataclasses import replace
+from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from app.engine import from_vllm_params, to_vllm_params
-from app.protocol import KVHandoff, PrefillRequest, PrefillResult, Role, SamplingSettings
+from app.protocol import PrefillRequest, PrefillResult, ReplyChunk, Role, SamplingSettings
 from deployments.engine_replica import EngineReplica
 from deployments.targeted_router import TargetedRequestRouter
+
+PROBE = SamplingSettings(max_tokens=1, temperature=0.0)
+"""Without first_token: one greedy token, discarded; decode samples the turn's first token."""
 
 
 class KVPullFailed(RuntimeError):
@@ -23,17 +30,39 @@ class PrefillServer(EngineReplica):
         # do_remote_decode: keep the prompt's blocks for decode; the pull fields (if any) make
         # prefill read the history's blocks from decode first.
         params = to_vllm_params(request.pull, Role.PREFILL) if request.pull else {"do_remote_decode": True}
-        final = None
         stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.cache_salt,
-                                      SamplingSettings(max_tokens=1, temperature=0.0), params)
-        async for output in stream:
-            final = output
+                                      engine_settings(request, self.config.block_size), params)
+        deltas = [output async for output in stream]
+        final = deltas[-1] if deltas else None
         if final is None or final.outputs[0].finish_reason == "error" or not final.kv_transfer_params:
             raise KVPullFailed(f"prefill of {request.request_id} failed (pull planned: {request.pull is not None})")
-        return PrefillResult(replica_id=self.replica_id, handoff=from_vllm_params(final.kv_transfer_params),
+        first = first_chunk(deltas, request.first_token.max_tokens) if request.first_token else None
+        # Decode reads the prompt's blocks, and the first token's when it continues from it.
+        decode_tokens = len(request.prompt_token_ids) + (first is not None and first.finish_reason is None)
+        handoff = from_vllm_params(final.kv_transfer_params).prefix(decode_tokens, self.config.block_size)
+        return PrefillResult(replica_id=self.replica_id, handoff=handoff,
                              num_prompt_tokens=len(request.prompt_token_ids),
                              num_cached_tokens=final.num_cached_tokens or 0,
-                             pool_tokens=self.engine.pool_tokens)
+                             pool_tokens=self.engine.pool_tokens, first_chunk=first)
 
-    async def release(self, handoff: KVHandoff) -> None:
-        await self.engine.release(handoff)
+
+def engine_settings(request: PrefillRequest, block_size: int) -> SamplingSettings:
+    """One token, or two when the prompt fills its last block: decode, continuing after the first
+    token, reads as many blocks as prompt + first token fill and recomputes that token's KV,
+    so that block must exist on prefill, and only sampling a second token writes it."""
+    if request.first_token is None:
+        return PROBE
+    tokens = 2 if len(request.prompt_token_ids) % block_size == 0 else 1
+    return replace(request.first_token, max_tokens=min(request.first_token.max_tokens, tokens))
+
+
+def first_chunk(deltas: list[Any], turn_max_tokens: int) -> ReplyChunk | None:
+    """The turn's first token, if it came alone and with its text (a token that ends inside a
+    UTF-8 character, or an unprinted special token, has none yet: decode then samples it).
+    Its finish reason is the turn's only when the turn ends there, not at prefill's own limit."""
+    first = deltas[0].outputs[0]
+    if len(first.token_ids) != 1 or not first.text:
+        return None
+    ends = first.finish_reason == "stop" or (first.finish_reason == "length" and turn_max_tokens == 1)
+    return ReplyChunk(token_ids=tuple(first.token_ids), text=first.text,
+                      finish_reason=first.finish_reason if ends else None)

@@ -36,6 +36,7 @@ def test_later_turns_pull_every_full_block_of_the_common_prefix(conversation, ht
         assert decision["action"] == "pull" and decision["reason"] == "pull_saves_tokens"
         assert decision["pulled_tokens"] == current.cached_tokens, "prefill's cache is off: all of it was pulled"
     assert decisions[conversation[0].request_id]["action"] == "recompute"
+    assert {decisions[t.request_id]["first_token_from"] for t in conversation} == {"prefill"}
 
 
 def test_transferred_kv_gives_the_same_tokens_as_one_plain_engine(conversation, reference):
@@ -43,6 +44,51 @@ def test_transferred_kv_gives_the_same_tokens_as_one_plain_engine(conversation, 
 
     expected = ray.get(reference.generate.remote([t.prompt_ids for t in conversation], MAX_TOKENS))
     assert [t.output_ids for t in conversation] == expected
+
+
+def test_a_one_token_reply_ends_at_prefill(client, http, reference):
+    import ray
+
+    messages = [{"role": "system", "content": "One token. " + SYSTEM_PROMPT}, {"role": "user", "content": "Hi"}]
+    for stream in (True, False):
+        record = chat_turn(client, messages, 1, stream=stream)
+        assert decisions_by_request(http)[record.request_id]["first_token_from"] == "prefill"
+        assert record.output_ids == ray.get(reference.generate.remote([record.prompt_ids], 1))[0]
+
+
+@pytest.mark.parametrize("blocks, extra", [(4, -1), (4, 0), (4, 1)])
+def test_decode_continues_after_prefill_s_token_at_block_boundaries(http, reference, app_config, blocks, extra):
+    import ray
+
+    prompt = [11 + (7 * i) % 997 for i in range(blocks * app_config.block_size + extra)]
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    expected = ray.get(reference.generate.remote([prompt], 8))[0]
+    for stream in (False, True):
+        response = http.post("/v1/completions", json={**body, "stream": stream})
+        assert response.status_code == 200
+        request_id, tokens = _streamed(response.text) if stream else _completed(response.json())
+        assert decisions_by_request(http)[request_id]["first_token_from"] == "prefill"
+        assert tokens == expected
+
+
+def _completed(body: dict) -> tuple[str, list[int]]:
+    return body["id"], body["choices"][0]["token_ids"]
+
+
+def _streamed(sse: str) -> tuple[str, list[int]]:
+    import json
+
+    events = [json.loads(line[6:]) for line in sse.splitlines() if line.startswith("data: {")]
+    return events[0]["id"], [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+
+
+def test_stop_strings_leave_the_first_token_to_decode_and_still_stop(client, http):
+    messages = [{"role": "system", "content": "Stop. " + SYSTEM_PROMPT}, {"role": "user", "content": "Hi"}]
+    full = chat_turn(client, messages, 16)
+    stop = full.text[3:6]
+    stopped = chat_turn(client, messages, 16, stop=[stop])
+    assert decisions_by_request(http)[stopped.request_id]["first_token_from"] == "decode"
+    assert stopped.text == full.text[:full.text.index(stop)]
 
 
 def test_client_supplied_transfer_params_change_nothing(client, http, conversation, reference):

@@ -1,0 +1,129 @@
+"""Prefill's first token goes to the client at once; decode continues after it (fakes for the
+deployments: the real flow and its oracle are in tests/integration/test_pipeline.py)."""
+
+import asyncio
+from dataclasses import replace
+from types import SimpleNamespace
+from unittest.mock import MagicMock
+
+import pytest
+
+from app.config import AppConfig
+from app.protocol import PrefillRequest, PrefillResult, ReplyChunk, SamplingSettings
+from app.turn import Turn, TurnLoop
+from deployments.prefill import engine_settings, first_chunk
+from tests.factories import BLOCK, handoff
+
+PROMPT = tuple(range(64))
+
+
+class Remote:
+    """A Serve handle method: `.remote(*args)` records the args and returns what `answer(first)` gives."""
+
+    def __init__(self, answer=lambda _: None) -> None:
+        self.calls, self.answer = [], answer
+
+    def remote(self, *args):
+        self.calls.append(args[0] if len(args) == 1 else args)
+        result = self.answer(args[0])
+        if hasattr(result, "__anext__"):
+            return result
+
+        async def done():
+            return result
+        return done()
+
+
+class DecodeGroup:
+    def __init__(self, chunks: list[ReplyChunk]) -> None:
+        async def stream(_):
+            for chunk in chunks:
+                yield chunk
+        self.decode, self.release = Remote(stream), Remote()
+
+    def options(self, stream: bool):
+        return self
+
+
+def _loop(result: PrefillResult, decode_chunks: list[ReplyChunk], **config) -> tuple[TurnLoop, DecodeGroup]:
+    index = SimpleNamespace(lookup=Remote(lambda _: SimpleNamespace(prefill_cached_tokens={"p0": 0}, retained=None)),
+                            record_prefill=Remote(), forget_retained=Remote())
+    decode = DecodeGroup(decode_chunks)
+    prefill = SimpleNamespace(prefill=Remote(lambda _: result), release=Remote())
+    return TurnLoop(AppConfig(**config), index, prefill, decode, MagicMock()), decode
+
+
+def _result(first: ReplyChunk | None) -> PrefillResult:
+    return PrefillResult(replica_id="p0", handoff=handoff(len(PROMPT) + 1, 0.0), num_prompt_tokens=len(PROMPT),
+                         num_cached_tokens=0, first_chunk=first)
+
+
+def _serve(loop: TurnLoop, sampling: SamplingSettings) -> list[ReplyChunk]:
+    async def run():
+        prepared = await loop.prepare(Turn("t", PROMPT, "salt", sampling))
+        return [chunk async for chunk in loop.decode(prepared)], prepared
+    return asyncio.run(run())
+
+
+def test_the_first_token_comes_from_prefill_and_decode_continues_after_it():
+    first = ReplyChunk(token_ids=(7,), text=" a")
+    loop, decode = _loop(_result(first), [ReplyChunk(token_ids=(8, 9), text=" b c", finish_reason="length")])
+    chunks, prepared = _serve(loop, SamplingSettings(max_tokens=3, temperature=0.0))
+    assert [c.token_ids for c in chunks] == [(7,), (8, 9)]
+    assert loop.prefill_group.prefill.calls[0].first_token == SamplingSettings(max_tokens=3, temperature=0.0)
+    request = decode.decode.calls[0]
+    assert request.prompt_token_ids == PROMPT + (7,) and request.sampling.max_tokens == 2
+    assert prepared.log_entry["first_token_from"] == "prefill" and "ttft_ms" in prepared.log_entry
+
+
+@pytest.mark.parametrize("prompt_len, max_tokens", [(BLOCK - 1, 1), (BLOCK, 2), (BLOCK + 1, 1)])
+def test_prefill_samples_a_second_token_only_when_the_prompt_fills_its_last_block(prompt_len, max_tokens):
+    request = PrefillRequest("r", tuple(range(prompt_len)), "salt", "p0", first_token=SamplingSettings(max_tokens=8))
+    assert engine_settings(request, BLOCK).max_tokens == max_tokens
+    assert engine_settings(replace(request, first_token=SamplingSettings(max_tokens=1)), BLOCK).max_tokens == 1
+    assert engine_settings(replace(request, first_token=None), BLOCK).temperature == 0.0
+
+
+def test_a_turn_that_ends_with_its_first_token_frees_prefill_blocks_without_decoding():
+    loop, decode = _loop(_result(ReplyChunk(token_ids=(7,), text=" a", finish_reason="length")), [])
+    chunks, prepared = _serve(loop, SamplingSettings(max_tokens=1, temperature=0.0))
+    assert [c.finish_reason for c in chunks] == ["length"]
+    assert decode.decode.calls == [] and decode.release.calls == [prepared.prefill.handoff]
+    assert loop.index.record_prefill.calls == [("p0", prepared.hashes)]
+
+
+@pytest.mark.parametrize("sampling, config", [
+    (SamplingSettings(stop=("\n",)), {}),
+    (SamplingSettings(regex="[a-z]+"), {}),
+    (SamplingSettings(), {"first_token_from_prefill": False}),
+])
+def test_stop_strings_grammars_or_the_switch_leave_the_first_token_to_decode(sampling, config):
+    loop, decode = _loop(_result(None), [ReplyChunk(token_ids=(8,), text=" b", finish_reason="length")], **config)
+    chunks, prepared = _serve(loop, sampling)
+    assert loop.prefill_group.prefill.calls[0].first_token is None
+    assert decode.decode.calls[0].prompt_token_ids == PROMPT
+    assert decode.decode.calls[0].sampling == sampling
+    assert prepared.log_entry["first_token_from"] == "decode"
+
+
+def _delta(token_ids: list[int], text: str, finish_reason: str | None = None):
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids, text=text, finish_reason=finish_reason)])
+
+
+def test_a_first_token_without_text_yet_is_left_to_decode():
+    assert first_chunk([_delta([7], " a"), _delta([8], " b", "length")], 8) == ReplyChunk((7,), " a")
+    assert first_chunk([_delta([7], "", "stop")], 8) is None, "a partial UTF-8 character or a hidden token"
+    assert first_chunk([_delta([7, 8], " a b", "length")], 8) is None
+
+
+def test_the_first_token_ends_the_turn_at_its_end_of_sequence_or_its_limit_not_at_prefill_s():
+    assert first_chunk([_delta([7], " a", "length")], 8).finish_reason is None
+    assert first_chunk([_delta([7], " a", "length")], 1).finish_reason == "length"
+    assert first_chunk([_delta([7], " a", "stop")], 8).finish_reason == "stop"
+
+
+def test_a_handoff_cut_to_a_prefix_keeps_the_blocks_of_those_tokens():
+    full = handoff(2 * BLOCK + 1, 0.0)
+    assert full.prefix(2 * BLOCK, BLOCK).block_ids == (full.block_ids[0][:2],)
+    assert full.prefix(2 * BLOCK, BLOCK).num_tokens == 2 * BLOCK
+    assert full.prefix(2 * BLOCK + 1, BLOCK) == full
