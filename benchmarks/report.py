@@ -102,8 +102,8 @@ def summarize(rows: list[Row], config: AppConfig) -> str:
     lines += ["", "TTFT p50/p95 ms by turn:"] + [
         f"- {scenario}/{system}: " + " ".join(_turn_ttft([r for r in rows if _label(r) == (scenario, system)], t)
                                                for t in turns) for scenario, system in labels]
-    return "\n".join(lines + ["", "Later-turn TTFT p50 by stage, ms (plan / prefill / decode first token / "
-                               "outside the router: proxy, rendering, streaming):"]
+    return "\n".join(lines + ["", "Later-turn TTFT p50 by stage, ms (plan / prefill / decode first token, 0 "
+                               "when prefill sent it / outside the router: proxy, rendering, streaming):"]
                      + breakdown_lines(rows, labels) + [""] + ratio_lines(by_label))
 
 
