@@ -78,6 +78,11 @@ class AppConfig:
     """How long decode keeps a finished sequence's blocks for the next turn (think time)."""
     expiry_margin_s: float = 5.0
     """Decline retained blocks that expire sooner than this: the pull must finish first."""
+    min_local_horizon_s: float = 30.0
+    """Count a prefill replica's cached blocks against a pull only where its eviction horizon (how
+    long an idle block survives its pool under the current load) is at least this long. Under a
+    shorter horizon they may be evicted before the turn runs, so decode's retained sequence is
+    pulled whenever it covers them (vLLM's prefill then reads only the blocks it lacks)."""
     kv_events: bool = True
     """Engines publish vLLM KV cache events; the KV index subscribes (what each replica holds)."""
     prefix_hash_seed: int = DEFAULT_HASH_SEED
@@ -130,6 +135,7 @@ class AppConfig:
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
             "stream_interval_tokens must be >= 1": self.stream_interval_tokens >= 1,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
+            "min_local_horizon_s must be >= 0": self.min_local_horizon_s >= 0,
             # vLLM keeps one block of the pool as its null block.
             "a num_gpu_blocks_override pool must hold max_model_len tokens plus one block": all(
                 g.num_gpu_blocks_override == 0 or g.num_gpu_blocks_override * self.block_size > self.max_model_len

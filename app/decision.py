@@ -2,7 +2,9 @@
 
 Pull only full blocks inside the longest common prefix of the new prompt and the retained
 sequence (compared token by token, never one block past it), and never blocks that expire
-before the pull can finish. Everything else is recomputed by prefill.
+before the pull can finish. Everything else is recomputed by prefill. Blocks the index believes
+prefill holds count against a pull only on a replica whose pool keeps blocks long enough (its
+eviction horizon): elsewhere they may be gone by the time the turn runs.
 """
 
 from dataclasses import dataclass, replace
@@ -17,6 +19,8 @@ class PullPolicy:
     threshold_tokens: int
     expiry_margin_s: float
     enabled: bool = True
+    min_local_horizon_s: float = 0.0
+    """Below this eviction horizon a replica's cached blocks don't make a pull unnecessary."""
 
 
 def pullable_tokens(prompt_ids: list[int], retained_ids: tuple[int, ...], block_size: int) -> int:
@@ -32,7 +36,8 @@ def cut_handoff(handoff: KVHandoff, num_tokens: int, block_size: int) -> KVHando
 
 
 def decide(prompt_ids: list[int], lookup: PrefixLookup, prefill_replica_id: str,
-           policy: PullPolicy, now: float) -> RoutingDecision:
+           policy: PullPolicy, now: float, horizon_s: float | None = None) -> RoutingDecision:
+    """`horizon_s`: the replica's eviction horizon estimate (None: nothing is being evicted)."""
     local = min(lookup.prefill_cached_tokens.get(prefill_replica_id, 0), len(prompt_ids) - 1)
     local = max(local, 0) // policy.block_size * policy.block_size
     base = RoutingDecision(prefill_replica_id=prefill_replica_id, action=Action.RECOMPUTE,
@@ -46,9 +51,14 @@ def decide(prompt_ids: list[int], lookup: PrefixLookup, prefill_replica_id: str,
     base = replace(base, tokens_pullable=pullable, expires_in_s=round(expires_in_s, 3), retained=retained)
     if not policy.enabled:
         return replace(base, reason=Reason.PULL_DISABLED)
-    if pullable - local < max(policy.threshold_tokens, 1):
+    # vLLM's prefill reads only the blocks it lacks when the turn runs, so pulling past blocks that
+    # survive costs little, while trusting blocks that were evicted costs a full recompute.
+    at_risk = horizon_s is not None and horizon_s < policy.min_local_horizon_s
+    counted_local = 0 if at_risk else local
+    if pullable - counted_local < max(policy.threshold_tokens, 1):
         return replace(base, reason=Reason.BELOW_THRESHOLD)
     if expires_in_s < policy.expiry_margin_s:
         return replace(base, reason=Reason.EXPIRES_TOO_SOON)
-    return replace(base, action=Action.PULL, reason=Reason.PULL_SAVES_TOKENS,
+    saves = pullable - local >= max(policy.threshold_tokens, 1)
+    return replace(base, action=Action.PULL, reason=Reason.PULL_SAVES_TOKENS if saves else Reason.LOCAL_AT_RISK,
                    pull=cut_handoff(retained.handoff, pullable, policy.block_size))

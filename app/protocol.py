@@ -138,6 +138,8 @@ class Action(str, enum.Enum):
 
 class Reason(str, enum.Enum):
     PULL_SAVES_TOKENS = "pull_saves_tokens"
+    LOCAL_AT_RISK = "local_at_risk"
+    """Pulled although prefill should hold most of it: its pool evicts faster than the horizon."""
     PULL_DISABLED = "pull_disabled"
     NOTHING_RETAINED = "nothing_retained"
     BELOW_THRESHOLD = "below_threshold"

@@ -69,16 +69,18 @@ class PrefillChooser:
         self._ring_members: tuple[str, ...] = ()
 
     def choose(self, prompt_ids: list[int], lookup: PrefixLookup, queued_tokens: dict[str, int],
-               affinity_key: str, now: float, pull: PullPolicy | None = None) -> RoutingDecision:
+               affinity_key: str, now: float, pull: PullPolicy | None = None,
+               horizons: dict[str, float] | None = None) -> RoutingDecision:
+        """`horizons`: each replica's latest eviction horizon estimate, where known."""
         replicas = sorted(lookup.prefill_cached_tokens)
         if not replicas:
             raise NoPrefillReplica("no prefill engine is ready yet; retry shortly")
         self._turns += 1
         start = self._turns % len(replicas)
         rotated = replicas[start:] + replicas[:start]  # ties go to the next replica in turn
-        pull = pull or self.pull_policy
+        pull, horizons = pull or self.pull_policy, horizons or {}
         if self.policy == RoutingPolicy.KV_AWARE:
-            decisions = [decide(prompt_ids, lookup, r, pull, now) for r in rotated]
+            decisions = [decide(prompt_ids, lookup, r, pull, now, horizons.get(r)) for r in rotated]
             return min(decisions, key=lambda d: turn_cost(d, len(prompt_ids), queued_tokens.get(
                 d.prefill_replica_id, 0), self.weights))
         if self.policy == RoutingPolicy.SESSION_AFFINITY:
@@ -87,7 +89,7 @@ class PrefillChooser:
             target = min(rotated, key=lambda r: queued_tokens.get(r, 0))
         else:
             target = rotated[0]
-        return decide(prompt_ids, lookup, target, pull, now)
+        return decide(prompt_ids, lookup, target, pull, now, horizons.get(target))
 
     def _ring_for(self, replicas: list[str]) -> HashRing:
         if self._ring is None or tuple(replicas) != self._ring_members:

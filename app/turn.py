@@ -79,11 +79,14 @@ class TurnLoop:
         self.index, self.prefill_group, self.decode_group = index, prefill, decode
         self.metrics = metrics
         self.policy = PullPolicy(block_size=config.block_size, threshold_tokens=config.recompute_threshold_tokens,
-                                 expiry_margin_s=config.expiry_margin_s, enabled=config.reverse_pull)
+                                 expiry_margin_s=config.expiry_margin_s, enabled=config.reverse_pull,
+                                 min_local_horizon_s=config.min_local_horizon_s)
         weights = CostWeights(config.cost_per_token, config.load_weight, config.transfer_cost_per_token)
         self.choosers = {p: PrefillChooser(p, self.policy, weights) for p in RoutingPolicy}
         self.decisions: deque[dict[str, Any]] = deque(maxlen=decision_log_size)
         self.horizon = EvictionHorizon()
+        self.horizons: dict[str, float] = {}
+        """Each prefill replica's latest eviction horizon estimate."""
         self.queued_tokens: Counter[str] = Counter()
         """Prefill tokens this router has sent to each replica and not seen finish: its load."""
 
@@ -149,7 +152,7 @@ class TurnLoop:
         lookup = await self.index.lookup.remote(hashes)
         policy = self.policy if turn.reverse_pull else replace(self.policy, enabled=False)
         return self.choosers[turn.routing_policy].choose(list(turn.prompt_token_ids), lookup, self.queued_tokens,
-                                                         turn.affinity_key, time.time(), policy)
+                                                         turn.affinity_key, time.time(), policy, self.horizons)
 
     async def _prefill(self, turn: Turn, decision: RoutingDecision) -> tuple[PrefillResult, RoutingDecision]:
         request = PrefillRequest(request_id=f"{turn.request_id}-p", prompt_token_ids=turn.prompt_token_ids,
@@ -217,6 +220,7 @@ class TurnLoop:
         self.horizon.observe(replica, result.num_prompt_tokens - result.num_cached_tokens, now)
         estimate = self.horizon.estimate_s(replica, result.pool_tokens, self.queued_tokens[replica], now)
         if estimate is not None:
+            self.horizons[replica] = estimate
             self.metrics.record_horizon(replica, estimate)
         return estimate
 

@@ -1,5 +1,6 @@
 """Routing across replicas: two prefill replicas (prefix caching on) and one decode replica, eight
-concurrent three-turn conversations per policy. Runs last: it replaces the session's app."""
+concurrent three-turn conversations per policy; then one prefill replica whose cache is never
+trusted. Runs last: it replaces the session's app."""
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -10,7 +11,13 @@ from ray import serve
 from app.config import EngineGroupConfig
 from app.hashing import common_prefix_len
 from app.launch import APP_NAME, replace_app
-from tests.integration.conftest import SYSTEM_PROMPT, USER_TURNS, decisions_by_request, run_conversation
+from tests.integration.conftest import (
+    SYSTEM_PROMPT,
+    USER_TURNS,
+    decisions_by_request,
+    reference_ids,
+    run_conversation,
+)
 
 pytestmark = pytest.mark.integration
 CONVERSATIONS = 8
@@ -68,3 +75,20 @@ def test_kv_aware_finds_the_replica_that_holds_the_conversation(two_prefill_repl
 def test_kv_aware_with_reverse_pull_reuses_the_whole_previous_sequence(two_prefill_replicas, client, app_config):
     conversations = _conversations(client, "kv_aware", reverse_pull=True)
     assert _hit_rate(conversations, app_config.block_size, with_generated=True) >= 0.9
+
+
+@pytest.fixture(scope="module")
+def untrusted_prefill_cache(base_url, app_config):
+    # Every eviction horizon counts as too short: prefill's cached history no longer excuses a pull.
+    replace_app(replace(app_config, prefill=EngineGroupConfig(prefix_caching=True), min_local_horizon_s=1e9))
+    return base_url
+
+
+def test_an_untrusted_prefill_cache_pulls_and_prefill_reads_only_what_it_lacks(untrusted_prefill_cache, client,
+                                                                                  http, reference):
+    turns = run_conversation(client, "[untrusted] " + SYSTEM_PROMPT, USER_TURNS[:3], MAX_TOKENS)
+    decisions = decisions_by_request(http)
+    later = [decisions[t.request_id] for t in turns[1:]]
+    assert [d["reason"] for d in later] == ["local_at_risk"] * 2, later
+    assert all(d["tokens_local"] > 0 and d["pulled_tokens"] < d["threshold"] for d in later)
+    assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)

@@ -32,6 +32,17 @@ def test_recompute_when_local_cache_is_as_good():
     assert decision.action == Action.RECOMPUTE and decision.reason == Reason.BELOW_THRESHOLD
 
 
+def test_pull_anyway_when_prefill_evicts_faster_than_its_cached_blocks_can_be_trusted():
+    history = list(range(300))
+    policy = PullPolicy(block_size=BLOCK, threshold_tokens=32, expiry_margin_s=5.0, min_local_horizon_s=30.0)
+    for horizon_s in (None, 30.0, 600.0):  # nothing evicted, or slowly: the cached blocks count
+        assert decide(history + [5], _lookup(history, local=288), "p0", policy, NOW, horizon_s).reason \
+            == Reason.BELOW_THRESHOLD
+    decision = decide(history + [5], _lookup(history, local=288), "p0", policy, NOW, 2.5)
+    assert decision.action == Action.PULL and decision.reason == Reason.LOCAL_AT_RISK
+    assert decision.pull.num_tokens == 288, "all of it: vLLM reads only the blocks prefill lacks by then"
+
+
 def test_recompute_when_blocks_expire_before_the_pull_finishes():
     history = list(range(300))
     decision = decide(history + [5], _lookup(history, expiry=NOW + 2), "p0", POLICY, NOW)
