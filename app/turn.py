@@ -219,7 +219,9 @@ class TurnLoop:
         replica = result.replica_id
         self.horizon.observe(replica, result.num_prompt_tokens - result.num_cached_tokens, now)
         estimate = self.horizon.estimate_s(replica, result.pool_tokens, self.queued_tokens[replica], now)
-        if estimate is not None:
+        if estimate is None:  # nothing computed lately: nothing is being evicted
+            self.horizons.pop(replica, None)
+        else:
             self.horizons[replica] = estimate
             self.metrics.record_horizon(replica, estimate)
         return estimate
