@@ -10,7 +10,7 @@ eviction horizon): elsewhere they may be gone by the time the turn runs.
 from dataclasses import dataclass, replace
 
 from app.hashing import common_prefix_len
-from app.protocol import Action, KVHandoff, PrefixLookup, Reason, RoutingDecision
+from app.protocol import Action, PrefixLookup, Reason, RoutingDecision
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,6 @@ def pullable_tokens(prompt_ids: list[int], retained_ids: tuple[int, ...], block_
     return max(shared, 0) // block_size * block_size
 
 
-def cut_handoff(handoff: KVHandoff, num_tokens: int, block_size: int) -> KVHandoff:
-    num_blocks = num_tokens // block_size
-    return replace(handoff, block_ids=tuple(group[:num_blocks] for group in handoff.block_ids),
-                   num_tokens=num_tokens)
-
-
 def decide(prompt_ids: list[int], lookup: PrefixLookup, prefill_replica_id: str,
            policy: PullPolicy, now: float, horizon_s: float | None = None) -> RoutingDecision:
     """`horizon_s`: the replica's eviction horizon estimate (None: nothing is being evicted)."""
@@ -51,14 +45,14 @@ def decide(prompt_ids: list[int], lookup: PrefixLookup, prefill_replica_id: str,
     base = replace(base, tokens_pullable=pullable, expires_in_s=round(expires_in_s, 3), retained=retained)
     if not policy.enabled:
         return replace(base, reason=Reason.PULL_DISABLED)
+    threshold = max(policy.threshold_tokens, 1)
+    saves = pullable - local >= threshold
     # vLLM's prefill reads only the blocks it lacks when the turn runs, so pulling past blocks that
     # survive costs little, while trusting blocks that were evicted costs a full recompute.
-    at_risk = horizon_s is not None and horizon_s < policy.min_local_horizon_s
-    counted_local = 0 if at_risk else local
-    if pullable - counted_local < max(policy.threshold_tokens, 1):
+    at_risk = horizon_s is not None and horizon_s < policy.min_local_horizon_s and pullable >= threshold
+    if not (saves or at_risk):
         return replace(base, reason=Reason.BELOW_THRESHOLD)
     if expires_in_s < policy.expiry_margin_s:
         return replace(base, reason=Reason.EXPIRES_TOO_SOON)
-    saves = pullable - local >= max(policy.threshold_tokens, 1)
     return replace(base, action=Action.PULL, reason=Reason.PULL_SAVES_TOKENS if saves else Reason.LOCAL_AT_RISK,
-                   pull=cut_handoff(retained.handoff, pullable, policy.block_size))
+                   pull=retained.handoff.prefix(pullable, policy.block_size))
