@@ -31,6 +31,7 @@ from app.protocol import (
     PrefillResult,
     Reason,
     ReplyChunk,
+    RetainedBlocks,
     RoutingDecision,
     SamplingSettings,
 )
@@ -111,7 +112,7 @@ class TurnLoop:
             self._first_token_sent(prepared)
             yield first
             if first.finish_reason is not None:
-                await self._finish_at_prefill(prepared)
+                await self._record(prepared, None)
                 return
         request = self._decode_request(prepared)
         started, waiting = time.perf_counter(), True
@@ -122,7 +123,7 @@ class TurnLoop:
                     self._first_token_sent(prepared)
                 waiting = False
             if chunk.retained is not None:
-                await self._record(prepared, chunk)
+                await self._record(prepared, chunk.retained)
             yield chunk
 
     def _decode_request(self, prepared: PreparedTurn) -> DecodeRequest:
@@ -178,19 +179,18 @@ class TurnLoop:
         finally:
             self.queued_tokens[decision.prefill_replica_id] -= load
 
-    async def _record(self, prepared: PreparedTurn, chunk: ReplyChunk) -> None:
-        retained = chunk.retained
+    async def _record(self, prepared: PreparedTurn, retained: RetainedBlocks | None) -> None:
+        """Prefill's hashes to the index, with what decode retained for the next turn's pull; blocks
+        nobody will read are freed now, not at TTL. `retained` None: the turn ended with prefill's
+        token, so decode never reads the blocks prefill kept for it."""
         prefill_hashes = self.index.record_prefill.remote(prepared.prefill.replica_id, prepared.hashes)
-        if prepared.turn.reverse_pull:
-            await asyncio.gather(prefill_hashes, self.index.record_retained.remote(prepared.turn.cache_salt, retained))
-            return
-        # Without reverse pulls nothing will read decode's blocks: free them now, not at TTL.
-        await asyncio.gather(prefill_hashes, self.prefill_group.release.remote(retained.handoff))
-
-    async def _finish_at_prefill(self, prepared: PreparedTurn) -> None:
-        """The turn ended with prefill's token: decode never reads the blocks prefill kept for it."""
-        await asyncio.gather(self.index.record_prefill.remote(prepared.prefill.replica_id, prepared.hashes),
-                             self.decode_group.release.remote(prepared.prefill.handoff))
+        if retained is None:
+            follow_up = self.decode_group.release.remote(prepared.prefill.handoff)
+        elif prepared.turn.reverse_pull:
+            follow_up = self.index.record_retained.remote(prepared.turn.cache_salt, retained)
+        else:  # without reverse pulls nothing will read decode's blocks
+            follow_up = self.prefill_group.release.remote(retained.handoff)
+        await asyncio.gather(prefill_hashes, follow_up)
 
     def _log(self, turn: Turn, decision: RoutingDecision, result: PrefillResult,
              measured: dict[str, float | None]) -> dict[str, Any]:
