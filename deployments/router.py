@@ -32,6 +32,8 @@ from app.tenants import Unauthorized, cache_salt, cache_scope
 from app.turn import PreparedTurn, Turn, TurnLoop
 
 DEFAULT_MAX_TOKENS = 256
+RETRY_WHILE_STARTING = {"Retry-After": "5"}
+"""Engines are still starting: clients may retry after this many seconds."""
 api = FastAPI(title="kv-loop")
 
 
@@ -57,7 +59,7 @@ async def _unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
 
 @api.exception_handler(NoPrefillReplica)
 async def _starting(_: Request, exc: NoPrefillReplica) -> JSONResponse:
-    return _error(str(exc), 503, headers={"Retry-After": "5"})
+    return _error(str(exc), 503, headers=RETRY_WHILE_STARTING)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -78,7 +80,7 @@ class Router:
         """Ready when a prefill and a decode engine have registered (a readiness probe)."""
         if await self.index.ready.remote():
             return {"status": "ok"}
-        return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse({"status": "starting"}, status_code=503, headers=RETRY_WHILE_STARTING)
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
