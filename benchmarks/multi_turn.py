@@ -37,7 +37,7 @@ from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
 from app.routing import RoutingPolicy
 from benchmarks.report import Row, summarize, write_results
-from benchmarks.workload import Profile, load_tokenizer, plan_conversation, replay
+from benchmarks.workload import Profile, load_tokenizer, openai_client, plan_conversation, replay
 
 POLICIES = tuple(p.value for p in RoutingPolicy)
 APP_SYSTEMS = {"disagg": {"reverse_pull": False, "conversation_mode": "template"},
@@ -104,9 +104,7 @@ def converse(client, tokenizer, run: SystemRun, index: int, preset: Preset, extr
 
 def drive(url: str, system: str, tokenizer, preset: Preset, extra: dict) -> SystemRun:
     """`preset.in_flight` conversations at once through the official OpenAI client, streaming."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client = openai_client(url)
     run = SystemRun(system)
     with ThreadPoolExecutor(preset.in_flight) as pool:
         futures = [pool.submit(converse, client, tokenizer, run, i, preset, extra) for i in range(preset.in_flight)]

@@ -39,8 +39,12 @@ class Row:
     rendering, streaming hops."""
 
 
-def _label(row: Row) -> tuple[str, str]:
-    return row.scenario, row.system
+def _by_label(rows: list[Row]) -> dict[tuple[str, str], list[Row]]:
+    """Rows per (scenario, system), in the order the systems ran."""
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        groups.setdefault((row.scenario, row.system), []).append(row)
+    return groups
 
 
 def _turn_ttft(rows: list[Row], turn: int) -> str:
@@ -86,8 +90,8 @@ class SystemSummary:
 
 
 def summarize(rows: list[Row], config: AppConfig) -> str:
-    labels = list(dict.fromkeys(_label(r) for r in rows))
-    by_label = {label: SystemSummary.of([r for r in rows if _label(r) == label]) for label in labels}
+    groups = _by_label(rows)
+    by_label = {label: SystemSummary.of(group) for label, group in groups.items()}
     lines = [f"model {config.model_name} ({config.engine_dtype}, {_parameters(config)}), block size "
              f"{config.block_size}, KV {kv_bytes_per_token(config.model_path())} bytes/token, machine "
              f"{os.cpu_count()} CPU cores, {_memory_gib():.0f} GiB", "",
@@ -100,17 +104,17 @@ def summarize(rows: list[Row], config: AppConfig) -> str:
                      f"{s.later_hits:.2f} | {s.pulled_share:.2f} | {s.throughput:.0f} |")
     turns = sorted({r.turn for r in rows})
     lines += ["", "TTFT p50/p95 ms by turn:"] + [
-        f"- {scenario}/{system}: " + " ".join(_turn_ttft([r for r in rows if _label(r) == (scenario, system)], t)
-                                               for t in turns) for scenario, system in labels]
+        f"- {scenario}/{system}: " + " ".join(_turn_ttft(group, t) for t in turns)
+        for (scenario, system), group in groups.items()]
     return "\n".join(lines + ["", "Later-turn TTFT p50 by stage, ms (plan / prefill / decode first token, 0 "
                                "when prefill sent it / outside the router: proxy, rendering, streaming):"]
-                     + breakdown_lines(rows, labels) + [""] + ratio_lines(by_label))
+                     + breakdown_lines(groups) + [""] + ratio_lines(by_label))
 
 
-def breakdown_lines(rows: list[Row], labels: list[tuple[str, str]]) -> list[str]:
+def breakdown_lines(groups: dict[tuple[str, str], list[Row]]) -> list[str]:
     lines = []
-    for label in labels:
-        later = [r for r in rows if _label(r) == label and r.turn > 1 and r.prefill_s > 0]
+    for label, group in groups.items():
+        later = [r for r in group if r.turn > 1 and r.prefill_s > 0]
         if later:
             stages = [statistics.median(v) * 1e3 for v in zip(*[
                 (r.plan_s, r.prefill_s, r.decode_first_s, r.ttft_s - r.plan_s - r.prefill_s - r.decode_first_s)
@@ -160,20 +164,20 @@ def write_results(rows: list[Row], summary: str, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist([asdict(r) for r in rows]), out / "rows.parquet")
     (out / "summary.md").write_text(summary + "\n")
-    labels = list(dict.fromkeys(_label(r) for r in rows))
+    groups = _by_label(rows)
+    labels = list(groups)
     turns = sorted({r.turn for r in rows})
     # A colour per system, a line style per scenario: up to 20 systems stay apart.
     colors = {system: plt.cm.tab20(i % 20) for i, system in enumerate(dict.fromkeys(s for _, s in labels))}
     styles = {scenario: ("-", "--", ":", "-.")[i % 4] for i, scenario in enumerate(dict.fromkeys(s for s, _ in labels))}
     figure, (ttft_axis, tokens_axis) = plt.subplots(1, 2, figsize=(15, 5.5))
-    for scenario, system in labels:
-        mine = [r for r in rows if _label(r) == (scenario, system)]
+    for (scenario, system), mine in groups.items():
         line = {"color": colors[system], "linestyle": styles[scenario], "marker": "o", "markersize": 3,
                 "label": f"{scenario}/{system}"}
         ttft_axis.plot(turns, [statistics.median(r.ttft_s for r in mine if r.turn == t) * 1e3 for t in turns], **line)
         per_turn = [sum(r.prefilled_tokens for r in mine if r.turn == t) for t in turns]
         tokens_axis.plot(turns, [sum(per_turn[:i + 1]) for i in range(len(turns))], **line)
-    _reference_lines(tokens_axis, [r for r in rows if _label(r) == labels[0]], turns)
+    _reference_lines(tokens_axis, groups[labels[0]], turns)
     ttft_axis.set(xlabel="turn", ylabel="TTFT p50 (ms)", title="Time to first token by turn", yscale="log")
     tokens_axis.set(xlabel="turn", ylabel="tokens prefilled (cumulative)", title="Prefill work")
     ttft_axis.grid(alpha=0.3)

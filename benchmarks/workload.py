@@ -22,7 +22,12 @@ def open_target(url: str | None, config: AppConfig) -> tuple[OpenAI, object, str
         from app.launch import start_local
 
         url = start_local(config)
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600), load_tokenizer(config), url
+    return openai_client(url), load_tokenizer(config), url
+
+
+def openai_client(url: str) -> OpenAI:
+    """The official client against `url`: no retries (a failure is a result), long timeouts."""
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
 
 
 def load_tokenizer(config: AppConfig):
