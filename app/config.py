@@ -83,6 +83,11 @@ class AppConfig:
     long an idle block survives its pool under the current load) is at least this long. Under a
     shorter horizon they may be evicted before the turn runs, so decode's retained sequence is
     pulled whenever it covers them (vLLM's prefill then reads only the blocks it lacks)."""
+    max_decode_prefill_tokens: int = 512
+    """A later turn that adds at most this many tokens to what a decode replica retains of the
+    conversation runs whole on that replica (conditional disaggregation): its prefix cache holds
+    the history, so no prefill hop and no KV transfer. Longer appends go through prefill, so they
+    don't stall other conversations' decode steps. 0: every turn goes through prefill."""
     kv_events: bool = True
     """Engines publish vLLM KV cache events; the KV index subscribes (what each replica holds)."""
     prefix_hash_seed: int = DEFAULT_HASH_SEED
@@ -136,6 +141,7 @@ class AppConfig:
             "stream_interval_tokens must be >= 1": self.stream_interval_tokens >= 1,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
             "min_local_horizon_s must be >= 0": self.min_local_horizon_s >= 0,
+            "max_decode_prefill_tokens must be >= 0": self.max_decode_prefill_tokens >= 0,
             # vLLM keeps one block of the pool as its null block.
             "a num_gpu_blocks_override pool must hold max_model_len tokens plus one block": all(
                 g.num_gpu_blocks_override == 0 or g.num_gpu_blocks_override * self.block_size > self.max_model_len

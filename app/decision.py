@@ -5,6 +5,10 @@ sequence (compared token by token, never one block past it), and never blocks th
 before the pull can finish. Everything else is recomputed by prefill. Blocks the index believes
 prefill holds count against a pull only on a replica whose pool keeps blocks long enough (its
 eviction horizon): elsewhere they may be gone by the time the turn runs.
+
+A short append skips prefill altogether (conditional disaggregation): when the decode replica
+that retains the conversation holds all but a few of the prompt's tokens, it computes those few
+itself, from its own prefix cache, and no KV moves.
 """
 
 from dataclasses import dataclass, replace
@@ -21,12 +25,29 @@ class PullPolicy:
     enabled: bool = True
     min_local_horizon_s: float = 0.0
     """Below this eviction horizon a replica's cached blocks don't make a pull unnecessary."""
+    max_decode_prefill_tokens: int = 0
+    """Prefill on decode when at most this many prompt tokens are new to it (0: never)."""
 
 
 def pullable_tokens(prompt_ids: list[int], retained_ids: tuple[int, ...], block_size: int) -> int:
     """Full blocks of the common prefix, leaving at least one prompt token for prefill to compute."""
     shared = min(common_prefix_len(prompt_ids, list(retained_ids)), len(prompt_ids) - 1)
     return max(shared, 0) // block_size * block_size
+
+
+def decide_prefill_on_decode(prompt_ids: list[int], lookup: PrefixLookup, policy: PullPolicy,
+                             now: float) -> RoutingDecision | None:
+    """The decision to run the whole turn on the retaining decode replica, if the append is short."""
+    if not policy.enabled or lookup.retained is None:
+        return None
+    retained = lookup.retained.retained
+    held = pullable_tokens(prompt_ids, retained.token_ids, policy.block_size)
+    expires_in_s = retained.handoff.expiry_time - now
+    if held == 0 or len(prompt_ids) - held > policy.max_decode_prefill_tokens or expires_in_s < policy.expiry_margin_s:
+        return None
+    return RoutingDecision(prefill_replica_id="", action=Action.PREFILL_ON_DECODE, reason=Reason.SHORT_APPEND,
+                           tokens_local=held, tokens_pullable=held, threshold=policy.max_decode_prefill_tokens,
+                           expires_in_s=round(expires_in_s, 3), retained=retained)
 
 
 def decide(prompt_ids: list[int], lookup: PrefixLookup, prefill_replica_id: str,

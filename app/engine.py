@@ -78,6 +78,10 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
             # The router decides pull vs recompute; the engine must not second-guess it.
             "kv_recompute_threshold": 0,
             "decoder_kv_blocks_ttl": config.retention_ttl_s,
+            # How long an engine holds blocks it computed for a reader. On decode these are the
+            # turns it prefilled itself, which the next turn's prefill may pull. (Decode also
+            # heartbeats prefill's leases every lease/6 s: 20 s at 120, within prefill's 30 s.)
+            **({"kv_lease_duration": int(config.retention_ttl_s)} if identity.role == Role.DECODE else {}),
         })
     path = str(config.model_path())
     return AsyncEngineArgs(
@@ -107,6 +111,12 @@ def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, An
 
 
 # ---- kv_transfer_params, both directions ------------------------------------------------------
+def hold_params() -> dict[str, Any]:
+    """Params that make an engine compute the prompt itself and, when the request finishes, hold
+    its blocks for a remote reader (the engine's lease; vLLM updates the dict in place)."""
+    return {"do_remote_decode": True}
+
+
 def to_vllm_params(handoff: KVHandoff, reader: Role) -> dict[str, Any]:
     """Params that make `reader` read `handoff`'s blocks: decode reads prefill's
     (do_remote_prefill); prefill reads decode's (do_remote_decode, bidirectional)."""
@@ -124,10 +134,13 @@ def to_vllm_params(handoff: KVHandoff, reader: Role) -> dict[str, Any]:
     return params
 
 
-def from_vllm_params(params: dict[str, Any]) -> KVHandoff:
+def from_vllm_params(params: dict[str, Any], hold_s: float | None = None) -> KVHandoff:
     """The engine's returned params as a handoff; its expiry (the owner's monotonic clock, same
-    host) becomes Unix time so the router can compare it with its own clock."""
+    host) becomes Unix time so the router can compare it with its own clock. `hold_s`: the
+    engine's lease, for holds whose params carry no deadline (those of hold_params requests)."""
     engine_expiry = params.get("remote_blocks_expiry_time")
+    if engine_expiry is None and hold_s is not None:
+        engine_expiry = time.perf_counter() + hold_s
     expiry = time.time() + (engine_expiry - time.perf_counter()) if engine_expiry else 0.0
     source = EngineEndpoint(engine_id=params["remote_engine_id"], host=params["remote_host"],
                             port=int(params["remote_port"]), tp_size=int(params.get("tp_size", 1)))

@@ -65,6 +65,9 @@ class GenerationRequest(BaseModel):
     """This project's extension: the prefill routing policy for this request (default: the config's)."""
     reverse_pull: bool | None = None
     """This project's extension: false switches the reverse KV pull off for this request only."""
+    prefill_on_decode: bool | None = None
+    """This project's extension: false sends this request's prompt through prefill even when it is a
+    short append to a conversation a decode replica retains."""
 
     def sampling(self, default_max_tokens: int) -> SamplingSettings:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

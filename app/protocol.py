@@ -2,6 +2,7 @@
 
 router ──PrefillRequest──▶ prefill ──PrefillResult(KVHandoff, first ReplyChunk)──▶ router
 router ──DecodeRequest(KVHandoff)──▶ decode ──ReplyChunk…, last one with RetainedBlocks──▶ router
+router ──DecodeRequest(no handoff: a short append)──▶ decode ──ReplyChunk…──▶ router
 router ──RetainedBlocks / prefill hashes──▶ kv_index ──PrefixLookup──▶ router
 """
 
@@ -89,6 +90,8 @@ class ReplyChunk:
     finish_reason: str | None = None
     retained: RetainedBlocks | None = None
     """Set on the final chunk only."""
+    num_cached_tokens: int | None = None
+    """Prompt tokens the engine found in its prefix cache; set when decode computed the prompt."""
 
 
 @dataclass(frozen=True)
@@ -107,8 +110,11 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class PrefillResult:
+    """Where the turn's prompt KV was computed, and its first token. Computed on decode (a short
+    append), there is no handoff: the decode replica streams the rest of the reply itself."""
+
     replica_id: str
-    handoff: KVHandoff
+    handoff: KVHandoff | None
     num_prompt_tokens: int
     num_cached_tokens: int
     """Prompt tokens prefill did not compute: local prefix-cache hits plus pulled tokens."""
@@ -125,7 +131,9 @@ class DecodeRequest:
     prompt_token_ids: tuple[int, ...]
     cache_salt: str
     sampling: SamplingSettings
-    handoff: KVHandoff
+    handoff: KVHandoff | None
+    """Prefill's blocks to read. None: decode computes the prompt itself (a short append to the
+    conversation it retains, whose blocks its prefix cache serves)."""
     target_replica_id: str = ""
     """Preferred decode replica: the one that held this conversation's previous turn (its prefix
     cache still has those blocks, so it reads less from prefill); "" lets Serve balance."""
@@ -134,6 +142,8 @@ class DecodeRequest:
 class Action(str, enum.Enum):
     PULL = "pull"
     RECOMPUTE = "recompute"
+    PREFILL_ON_DECODE = "prefill_on_decode"
+    """The whole turn runs on the decode replica that retains the conversation: no prefill hop."""
 
 
 class Reason(str, enum.Enum):
@@ -145,6 +155,9 @@ class Reason(str, enum.Enum):
     BELOW_THRESHOLD = "below_threshold"
     EXPIRES_TOO_SOON = "expires_too_soon"
     PULL_FAILED = "pull_failed"
+    SHORT_APPEND = "short_append"
+    """Decode retains the conversation and few tokens are new (prefill on decode)."""
+    DECODE_FAILED = "prefill_on_decode_failed"
 
 
 @dataclass(frozen=True)

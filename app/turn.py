@@ -6,6 +6,8 @@ and what decode retained recorded for the next turn.
              its first token goes to the client at once
     decode:  DecodeRequest(prompt + first token, handoff) ──▶ decode replica ──▶ ReplyChunk…
              ──▶ kv_index.record_*
+    A short append to a conversation a decode replica retains skips prefill: DecodeRequest(prompt,
+    no handoff) goes to that replica, which computes the new tokens from its prefix cache.
 """
 
 import asyncio
@@ -20,7 +22,7 @@ from typing import Any
 
 from app.config import AppConfig
 from app.conversations import RenderDiagnostics
-from app.decision import PullPolicy
+from app.decision import PullPolicy, decide_prefill_on_decode
 from app.hashing import block_hashes
 from app.horizon import EvictionHorizon
 from app.metrics import TurnMetrics
@@ -54,6 +56,8 @@ class Turn:
     turn_index: int = 1
     previous_replica: str = ""
     """Where the conversation's previous turn was prefilled, if known."""
+    prefill_on_decode: bool = True
+    """May a short append run whole on the decode replica that retains the conversation?"""
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ class PreparedTurn:
     log_entry: dict[str, Any]
     """This turn's decision-log entry; decode adds its first-token latency to it."""
     started_at: float
+    reply: AsyncIterator[ReplyChunk] | None = None
+    """The rest of the reply, already streaming, when decode computed the prompt itself."""
 
     @property
     def cached_tokens(self) -> int:
@@ -81,7 +87,8 @@ class TurnLoop:
         self.metrics = metrics
         self.policy = PullPolicy(block_size=config.block_size, threshold_tokens=config.recompute_threshold_tokens,
                                  expiry_margin_s=config.expiry_margin_s, enabled=config.reverse_pull,
-                                 min_local_horizon_s=config.min_local_horizon_s)
+                                 min_local_horizon_s=config.min_local_horizon_s,
+                                 max_decode_prefill_tokens=config.max_decode_prefill_tokens)
         weights = CostWeights(config.cost_per_token, config.load_weight, config.transfer_cost_per_token)
         self.choosers = {p: PrefillChooser(p, self.policy, weights) for p in RoutingPolicy}
         self.decisions: deque[dict[str, Any]] = deque(maxlen=decision_log_size)
@@ -97,14 +104,15 @@ class TurnLoop:
         started = time.perf_counter()
         decision = await self._plan(turn, hashes)
         planned = time.perf_counter()
-        result, decision = await self._prefill(turn, decision)
+        result, reply, decision = await self._compute_prompt(turn, decision, hashes)
+        on_prefill = result.handoff is not None
         measured = {"plan_ms": round((planned - started) * 1e3, 2),
                     "prefill_ms": round((time.perf_counter() - planned) * 1e3, 2),
-                    "eviction_horizon_s": self._observe_load(result, time.time()),
-                    "first_token_from": "decode" if result.first_chunk is None else "prefill"}
+                    "eviction_horizon_s": self._observe_load(result, time.time()) if on_prefill else None,
+                    "first_token_from": "prefill" if on_prefill and result.first_chunk else "decode"}
         entry = self._log(turn, decision, result, measured)
         return PreparedTurn(turn=turn, decision=decision, prefill=result, hashes=hashes, log_entry=entry,
-                            started_at=started)
+                            started_at=started, reply=reply)
 
     async def decode(self, prepared: PreparedTurn) -> AsyncIterator[ReplyChunk]:
         first = prepared.prefill.first_chunk
@@ -112,11 +120,11 @@ class TurnLoop:
             self._first_token_sent(prepared)
             yield first
             if first.finish_reason is not None:
-                await self._record(prepared, None)
+                await self._record(prepared, first.retained)
                 return
-        request = self._decode_request(prepared)
-        started, waiting = time.perf_counter(), True
-        async for chunk in self.decode_group.options(stream=True).decode.remote(request):
+        reply = prepared.reply or self.decode_group.options(stream=True).decode.remote(self._decode_request(prepared))
+        started, waiting = time.perf_counter(), prepared.reply is None
+        async for chunk in reply:
             if waiting and chunk.token_ids:
                 prepared.log_entry["decode_first_token_ms"] = round((time.perf_counter() - started) * 1e3, 2)
                 if first is None:
@@ -152,8 +160,43 @@ class TurnLoop:
     async def _plan(self, turn: Turn, hashes: list[bytes]) -> RoutingDecision:
         lookup = await self.index.lookup.remote(hashes)
         policy = self.policy if turn.reverse_pull else replace(self.policy, enabled=False)
+        if turn.prefill_on_decode and (
+                on_decode := decide_prefill_on_decode(list(turn.prompt_token_ids), lookup, policy, time.time())):
+            return on_decode
         return self.choosers[turn.routing_policy].choose(list(turn.prompt_token_ids), lookup, self.queued_tokens,
                                                          turn.affinity_key, time.time(), policy, self.horizons)
+
+    async def _compute_prompt(self, turn: Turn, decision: RoutingDecision, hashes: list[bytes]
+                              ) -> tuple[PrefillResult, AsyncIterator[ReplyChunk] | None, RoutingDecision]:
+        """The prompt's KV, on the retaining decode replica (whose reply is then streaming) or on prefill."""
+        if decision.action == Action.PREFILL_ON_DECODE:
+            if started := await self._prefill_on_decode(turn, decision):
+                return *started, decision
+            # Recompute through prefill, and pull nothing from that replica.
+            decision = replace(await self._plan(replace(turn, reverse_pull=False), hashes), reason=Reason.DECODE_FAILED)
+        result, decision = await self._prefill(turn, decision)
+        return result, None, decision
+
+    async def _prefill_on_decode(self, turn: Turn, decision: RoutingDecision
+                                 ) -> tuple[PrefillResult, AsyncIterator[ReplyChunk]] | None:
+        """Start the whole turn on the decode replica that retains the conversation, up to its
+        first chunk; None if that failed."""
+        retained = decision.retained
+        self.index.forget_retained.remote((retained.replica_id, retained.handoff.request_id))
+        request = DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=turn.prompt_token_ids,
+                                cache_salt=turn.cache_salt, sampling=turn.sampling, handoff=None,
+                                target_replica_id=retained.replica_id)
+        reply = self.decode_group.options(stream=True).decode.remote(request)
+        try:
+            first = await reply.__anext__()
+        except Exception as exc:  # noqa: BLE001 - the turn can still run through prefill
+            logger.warning(json.dumps({"event": "prefill_on_decode_failed", "request_id": turn.request_id,
+                                       "error": f"{type(exc).__name__}: {exc}"[:500]}))
+            return None
+        result = PrefillResult(replica_id=retained.replica_id, handoff=None,
+                               num_prompt_tokens=len(turn.prompt_token_ids),
+                               num_cached_tokens=first.num_cached_tokens or 0, first_chunk=first)
+        return result, reply
 
     async def _prefill(self, turn: Turn, decision: RoutingDecision) -> tuple[PrefillResult, RoutingDecision]:
         request = PrefillRequest(request_id=f"{turn.request_id}-p", prompt_token_ids=turn.prompt_token_ids,
@@ -181,16 +224,20 @@ class TurnLoop:
 
     async def _record(self, prepared: PreparedTurn, retained: RetainedBlocks | None) -> None:
         """Prefill's hashes to the index, with what decode retained for the next turn's pull; blocks
-        nobody will read are freed now, not at TTL. `retained` None: the turn ended with prefill's
-        token, so decode never reads the blocks prefill kept for it."""
-        prefill_hashes = self.index.record_prefill.remote(prepared.prefill.replica_id, prepared.hashes)
+        nobody will read are freed now, not at TTL. `retained` None after prefill: the turn ended
+        with prefill's token, so decode never reads the blocks prefill kept for it."""
+        handoff = prepared.prefill.handoff
+        if handoff is None:  # prefilled on decode: the new sequence supersedes the one it extended
+            calls = [self.prefill_group.release.remote(prepared.decision.retained.handoff)]
+        else:
+            calls = [self.index.record_prefill.remote(prepared.prefill.replica_id, prepared.hashes)]
         if retained is None:
-            follow_up = self.decode_group.release.remote(prepared.prefill.handoff)
+            calls += [self.decode_group.release.remote(handoff)] if handoff is not None else []
         elif prepared.turn.reverse_pull:
-            follow_up = self.index.record_retained.remote(prepared.turn.cache_salt, retained)
+            calls.append(self.index.record_retained.remote(prepared.turn.cache_salt, retained))
         else:  # without reverse pulls nothing will read decode's blocks
-            follow_up = self.prefill_group.release.remote(retained.handoff)
-        await asyncio.gather(prefill_hashes, follow_up)
+            calls.append(self.prefill_group.release.remote(retained.handoff))
+        await asyncio.gather(*calls)
 
     def _log(self, turn: Turn, decision: RoutingDecision, result: PrefillResult,
              measured: dict[str, float | None]) -> dict[str, Any]:

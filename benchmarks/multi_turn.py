@@ -7,7 +7,9 @@ Systems:
 - `serve-llm`: Ray Serve LLM's `build_pd_openai_app`, the standard disaggregated flow;
 - `disagg`: this app with reverse pulls off and template rendering (the standard flow, here);
 - `preserve`: append-only sessions, reverse pulls off;  `pull`: reverse pull on, template
-  rendering;  `pull+preserve`: both (this project's default);
+  rendering;  `pull+preserve`: both, every turn through prefill;
+- `on-decode`: pull+preserve, and a short append runs whole on the decode replica that retains
+  the conversation (this project's default);
 - `kv_aware`, `session_affinity`, `round_robin`, `least_loaded`: pull+preserve under each
   routing policy.
 
@@ -40,11 +42,14 @@ from benchmarks.report import Row, summarize, write_results
 from benchmarks.workload import Profile, load_tokenizer, openai_client, plan_conversation, replay
 
 POLICIES = tuple(p.value for p in RoutingPolicy)
+THROUGH_PREFILL = {"prefill_on_decode": False}
 APP_SYSTEMS = {"disagg": {"reverse_pull": False, "conversation_mode": "template"},
                "preserve": {"reverse_pull": False, "conversation_mode": "preserve"},
-               "pull": {"conversation_mode": "template"},
-               "pull+preserve": {"conversation_mode": "preserve"},
-               **{policy: {"conversation_mode": "preserve", "routing_policy": policy} for policy in POLICIES}}
+               "pull": {"conversation_mode": "template", **THROUGH_PREFILL},
+               "pull+preserve": {"conversation_mode": "preserve", **THROUGH_PREFILL},
+               "on-decode": {"conversation_mode": "preserve"},
+               **{policy: {"conversation_mode": "preserve", "routing_policy": policy, **THROUGH_PREFILL}
+                  for policy in POLICIES}}
 PEERS = ("vllm", "serve-llm")
 
 
@@ -80,9 +85,9 @@ class Scenario:
 def scenarios(preset: Preset) -> dict[str, Scenario]:
     return {s.name: s for s in (
         Scenario("prefix-off", {"prefill.prefix_caching": "false"},
-                 ("vllm", "serve-llm", "disagg", "preserve", "pull", "pull+preserve")),
+                 ("vllm", "serve-llm", "disagg", "preserve", "pull", "pull+preserve", "on-decode")),
         Scenario("small-pool", {"prefill.num_gpu_blocks_override": str(preset.pool_blocks)},
-                 ("disagg", "preserve", "pull", "pull+preserve")),
+                 ("disagg", "preserve", "pull", "pull+preserve", "on-decode")),
         Scenario("2-prefill", {"prefill.replicas": "2", "prefill.cpus_per_replica": "0.5",
                                "decode.cpus_per_replica": "0.5"}, POLICIES))}
 
@@ -248,7 +253,7 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="+", default=["prefix-off", "small-pool", "2-prefill"],
                         choices=["prefix-off", "small-pool", "2-prefill"])
     parser.add_argument("--url", help="a running app (a cluster's endpoint): run --systems against it instead")
-    parser.add_argument("--systems", nargs="+", default=["disagg", "pull", "pull+preserve"],
+    parser.add_argument("--systems", nargs="+", default=["disagg", "pull", "pull+preserve", "on-decode"],
                         choices=[*PEERS, *APP_SYSTEMS])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / time.strftime("%Y%m%d-%H%M%S"))
     args = parser.parse_args()

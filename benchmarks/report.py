@@ -123,21 +123,26 @@ def breakdown_lines(groups: dict[tuple[str, str], list[Row]]) -> list[str]:
     return lines
 
 
+PROJECT_SYSTEMS = ("pull+preserve", "on-decode")
+"""This project with reverse pull and append-only sessions: every turn through prefill, and the
+default (short appends on decode)."""
+
+
 def ratio_lines(by_label: dict[tuple[str, str], SystemSummary]) -> list[str]:
-    """pull+preserve against every other system of its scenario and the single-engine ideal."""
+    """This project against every other system of its scenario and the single-engine ideal."""
     ideal = next((s for (_, system), s in by_label.items() if system == "vllm"), None)
     targets = {"vllm": " (target <= 1.3)", "serve-llm": " (target <= 0.4)", "disagg": " (target <= 0.4)"}
     lines = []
     for (scenario, system), mine in by_label.items():
-        if system != "pull+preserve":
+        if system not in PROJECT_SYSTEMS:
             continue
         peers = {p: s for (sc, p), s in by_label.items() if sc == scenario and p != system}
         if ideal is not None:
             peers.setdefault("vllm", ideal)
         for name, peer in peers.items():
-            lines.append(f"- later-turn TTFT p50, pull+preserve / {name} ({scenario}): "
+            lines.append(f"- later-turn TTFT p50, {system} / {name} ({scenario}): "
                          f"{mine.later_p50 / peer.later_p50:.2f}x{targets.get(name, '')}")
-        lines.append(f"- tokens prefilled, pull+preserve / ideal ({scenario}): {mine.prefilled_over_ideal:.2f}x "
+        lines.append(f"- tokens prefilled, {system} / ideal ({scenario}): {mine.prefilled_over_ideal:.2f}x "
                      f"(target <= 1.1)")
     return lines
 

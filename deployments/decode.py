@@ -1,5 +1,6 @@
-"""Decode group: reads prefill's KV over NIXL, streams tokens, and ends with the block metadata of
-the sequence it keeps for the next turn. router ──DecodeRequest──▶ here ──ReplyChunk…──▶ router.
+"""Decode group: reads prefill's KV over NIXL (or, for a short append, computes the prompt itself
+from its prefix cache), streams tokens, and ends with the block metadata of the sequence it keeps
+for the next turn. router ──DecodeRequest──▶ here ──ReplyChunk…──▶ router.
 """
 
 from collections.abc import AsyncIterator
@@ -7,7 +8,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from app.engine import from_vllm_params, to_vllm_params
+from app.engine import from_vllm_params, hold_params, to_vllm_params
 from app.protocol import DecodeRequest, ReplyChunk, RetainedBlocks, Role
 from deployments.engine_replica import EngineReplica
 from deployments.targeted_router import TargetedRequestRouter
@@ -22,7 +23,8 @@ class DecodeServer(EngineReplica):
     role = Role.DECODE
 
     async def decode(self, request: DecodeRequest) -> AsyncIterator[ReplyChunk]:
-        params = to_vllm_params(request.handoff, Role.DECODE)
+        computes_prompt = request.handoff is None
+        params = hold_params() if computes_prompt else to_vllm_params(request.handoff, Role.DECODE)
         generated: list[int] = []
         stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.cache_salt,
                                       request.sampling, params)
@@ -33,12 +35,13 @@ class DecodeServer(EngineReplica):
             generated.extend(completion.token_ids)
             retained = self._retained(request, generated, output.kv_transfer_params) if output.finished else None
             yield ReplyChunk(token_ids=tuple(completion.token_ids), text=completion.text,
-                             finish_reason=completion.finish_reason, retained=retained)
+                             finish_reason=completion.finish_reason, retained=retained,
+                             num_cached_tokens=output.num_cached_tokens if computes_prompt else None)
 
     def _retained(self, request: DecodeRequest, generated: list[int], params) -> RetainedBlocks | None:
         if not params or not params.get("remote_block_ids"):
             return None
-        handoff = from_vllm_params(params)
+        handoff = from_vllm_params(params, self.config.retention_ttl_s if request.handoff is None else None)
         sequence = (*request.prompt_token_ids, *generated)
         return RetainedBlocks(replica_id=self.replica_id, handoff=handoff,
                               token_ids=sequence[:handoff.num_tokens],

@@ -9,7 +9,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from app.engine import from_vllm_params, to_vllm_params
+from app.engine import from_vllm_params, hold_params, to_vllm_params
 from app.protocol import PrefillRequest, PrefillResult, ReplyChunk, Role, SamplingSettings
 from deployments.engine_replica import EngineReplica
 from deployments.targeted_router import TargetedRequestRouter
@@ -29,7 +29,7 @@ class PrefillServer(EngineReplica):
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         # do_remote_decode: keep the prompt's blocks for decode; the pull fields (if any) make
         # prefill read the history's blocks from decode first.
-        params = to_vllm_params(request.pull, Role.PREFILL) if request.pull else {"do_remote_decode": True}
+        params = to_vllm_params(request.pull, Role.PREFILL) if request.pull else hold_params()
         stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.cache_salt,
                                       engine_settings(request, self.config.block_size), params)
         deltas = [output async for output in stream]

@@ -120,7 +120,8 @@ class Router:
                     routing_policy=body.routing_policy or self.config.routing_policy,
                     affinity_key=rendered.affinity_key if rendered else f"{tenant}:{prompt_ids[:64]}",
                     turn_index=rendered.turn_index if rendered else 1,
-                    previous_replica=rendered.previous_replica if rendered else "")
+                    previous_replica=rendered.previous_replica if rendered else "",
+                    prefill_on_decode=body.prefill_on_decode is not False)
         prepared = await asyncio.wait_for(self.loop.prepare(turn), self.config.request_timeout_s)
         shape = ResponseShape(turn.request_id, self.config.model_name, chat)
         if body.stream:

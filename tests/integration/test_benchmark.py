@@ -18,18 +18,19 @@ SCHEMA = {"scenario": "string", "system": "string", "conversation": "int64", "tu
 def test_ci_preset_writes_stable_results_and_later_turns_are_cheaper(base_url, app_config, tmp_path):
     import pyarrow.parquet as pq
 
-    rows = run(base_url, ["disagg", "pull+preserve"], "ci", app_config)
+    rows = run(base_url, ["disagg", "pull+preserve", "on-decode"], "ci", app_config)
     summary = summarize(rows, app_config)
     write_results(rows, summary, tmp_path)
     table = pq.read_table(tmp_path / "rows.parquet")
     assert {f.name: str(f.type) for f in table.schema} == SCHEMA
     assert (tmp_path / "multi_turn.png").stat().st_size > 10_000
     assert "pull+preserve / disagg (app)" in (tmp_path / "summary.md").read_text()
-    mine = [r for r in rows if r.system == "pull+preserve"]
-    first = [r.prefilled_tokens for r in mine if r.turn == 1]
-    later = [r.prefilled_tokens for r in mine if r.turn > 1]
-    assert max(later) < min(first), (first, later)
-    assert all(r.decision == "pull" for r in mine if r.turn > 1)
+    for system, decision in (("pull+preserve", "pull"), ("on-decode", "prefill_on_decode")):
+        mine = [r for r in rows if r.system == system]
+        first = [r.prefilled_tokens for r in mine if r.turn == 1]
+        later = [r.prefilled_tokens for r in mine if r.turn > 1]
+        assert max(later) < min(first), (system, first, later)
+        assert all(r.decision == decision for r in mine if r.turn > 1), system
 
 
 def test_serve_llm_peer_serves_the_same_conversations(base_url, app_config):

@@ -18,7 +18,13 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def conversation(client):
-    return run_conversation(client, SYSTEM_PROMPT, USER_TURNS, MAX_TOKENS)
+    """Every turn through prefill (short appends would otherwise run on decode)."""
+    return run_conversation(client, SYSTEM_PROMPT, USER_TURNS, MAX_TOKENS, prefill_on_decode=False)
+
+
+@pytest.fixture(scope="module")
+def on_decode_conversation(client):
+    return run_conversation(client, "On decode. " + SYSTEM_PROMPT, USER_TURNS, MAX_TOKENS)
 
 
 def _reusable(previous, current, block_size: int) -> tuple[int, int]:
@@ -46,12 +52,44 @@ def test_transferred_kv_gives_the_same_tokens_as_one_plain_engine(conversation, 
     assert [t.output_ids for t in conversation] == expected
 
 
+def test_short_appends_run_whole_on_the_decode_replica_that_retains_them(on_decode_conversation, http, app_config,
+                                                                        reference):
+    import ray
+
+    conversation, decisions = on_decode_conversation, decisions_by_request(http)
+    for previous, current in zip(conversation, conversation[1:]):
+        shared, full_blocks = _reusable(previous, current, app_config.block_size)
+        decision = decisions[current.request_id]
+        assert decision["action"] == "prefill_on_decode" and decision["reason"] == "short_append"
+        assert decision["first_token_from"] == "decode" and decision["pulled_tokens"] == 0
+        assert full_blocks <= current.cached_tokens <= shared, "decode's prefix cache served the history"
+    assert decisions[conversation[0].request_id]["action"] == "recompute"
+    expected = ray.get(reference.generate.remote([t.prompt_ids for t in conversation], MAX_TOKENS))
+    assert [t.output_ids for t in conversation] == expected
+
+
+def test_a_long_append_after_a_turn_on_decode_pulls_that_turn_s_blocks(on_decode_conversation, client, http,
+                                                                      app_config, reference):
+    """The sequence decode computed itself is held for the next prefill like any other."""
+    import ray
+
+    messages = [{"role": "system", "content": "On decode. " + SYSTEM_PROMPT}]
+    for user, turn in zip(USER_TURNS, on_decode_conversation):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": turn.text}]
+    long_append = " ".join(f"Tool result {i}: nothing to report for row {i}." for i in range(60))
+    record = chat_turn(client, messages + [{"role": "user", "content": long_append}], MAX_TOKENS)
+    decision = decisions_by_request(http)[record.request_id]
+    assert record.prompt_tokens - decision["tokens_pullable"] > app_config.max_decode_prefill_tokens
+    assert decision["action"] == "pull" and decision["pulled_tokens"] >= 10 * app_config.block_size
+    assert record.output_ids == ray.get(reference.generate.remote([record.prompt_ids], MAX_TOKENS))[0]
+
+
 def test_a_one_token_reply_ends_at_prefill(client, http, reference):
     import ray
 
     messages = [{"role": "system", "content": "One token. " + SYSTEM_PROMPT}, {"role": "user", "content": "Hi"}]
     for stream in (True, False):
-        record = chat_turn(client, messages, 1, stream=stream)
+        record = chat_turn(client, messages, 1, stream=stream, prefill_on_decode=False)
         assert decisions_by_request(http)[record.request_id]["first_token_from"] == "prefill"
         assert record.output_ids == ray.get(reference.generate.remote([record.prompt_ids], 1))[0]
 
@@ -61,7 +99,8 @@ def test_decode_continues_after_prefill_s_token_at_block_boundaries(http, refere
     import ray
 
     prompt = [11 + (7 * i) % 997 for i in range(blocks * app_config.block_size + extra)]
-    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "prefill_on_decode": False}
     expected = ray.get(reference.generate.remote([prompt], 8))[0]
     for stream in (False, True):
         response = http.post("/v1/completions", json={**body, "stream": stream})
@@ -86,7 +125,7 @@ def test_stop_strings_leave_the_first_token_to_decode_and_still_stop(client, htt
     messages = [{"role": "system", "content": "Stop. " + SYSTEM_PROMPT}, {"role": "user", "content": "Hi"}]
     full = chat_turn(client, messages, 16)
     stop = full.text[3:6]
-    stopped = chat_turn(client, messages, 16, stop=[stop])
+    stopped = chat_turn(client, messages, 16, stop=[stop], prefill_on_decode=False)
     assert decisions_by_request(http)[stopped.request_id]["first_token_from"] == "decode"
     assert stopped.text == full.text[:full.text.index(stop)]
 
@@ -131,7 +170,7 @@ def test_unreadable_retained_blocks_fall_back_to_recompute(client, http, referen
     renderer = PromptRenderer(app_config.model_path(), app_config.max_model_len)
     prompt_ids = renderer.chat(messages, {})
     _plant_retained(prompt_ids + [7] * 64, free_port("127.0.0.1"), expires_in_s)
-    record = chat_turn(client, messages, MAX_TOKENS, stream=True)
+    record = chat_turn(client, messages, MAX_TOKENS, stream=True, prefill_on_decode=False)
     decision = decisions_by_request(http)[record.request_id]
     assert decision["action"] == "recompute" and decision["reason"] == reason
     assert record.cached_tokens == 0

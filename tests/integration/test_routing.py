@@ -36,7 +36,7 @@ def two_prefill_replicas(base_url, app_config):
 def _conversations(client, policy: str, reverse_pull: bool):
     def one(i):
         return run_conversation(client, f"[{policy}-{reverse_pull}-{i}] {SYSTEM_PROMPT}", USER_TURNS[:3],
-                                MAX_TOKENS, routing_policy=policy, reverse_pull=reverse_pull)
+                                MAX_TOKENS, routing_policy=policy, reverse_pull=reverse_pull, prefill_on_decode=False)
 
     with ThreadPoolExecutor(CONVERSATIONS) as pool:
         return list(pool.map(one, range(CONVERSATIONS)))
@@ -86,7 +86,8 @@ def untrusted_prefill_cache(base_url, app_config):
 
 def test_an_untrusted_prefill_cache_pulls_and_prefill_reads_only_what_it_lacks(untrusted_prefill_cache, client,
                                                                                   http, reference):
-    turns = run_conversation(client, "[untrusted] " + SYSTEM_PROMPT, USER_TURNS[:3], MAX_TOKENS)
+    turns = run_conversation(client, "[untrusted] " + SYSTEM_PROMPT, USER_TURNS[:3], MAX_TOKENS,
+                             prefill_on_decode=False)
     decisions = decisions_by_request(http)
     later = [decisions[t.request_id] for t in turns[1:]]
     assert [d["reason"] for d in later] == ["local_at_risk"] * 2, later

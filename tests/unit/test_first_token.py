@@ -4,53 +4,21 @@ deployments: the real flow and its oracle are in tests/integration/test_pipeline
 import asyncio
 from dataclasses import replace
 from types import SimpleNamespace
-from unittest.mock import MagicMock
 
 import pytest
 
-from app.config import AppConfig
 from app.protocol import PrefillRequest, PrefillResult, ReplyChunk, SamplingSettings
 from app.turn import Turn, TurnLoop
 from deployments.prefill import engine_settings, first_chunk
 from tests.factories import BLOCK, handoff
+from tests.fakes import DecodeGroup, turn_loop
 
 PROMPT = tuple(range(64))
 
 
-class Remote:
-    """A Serve handle method: `.remote(*args)` records the args and returns what `answer(first)` gives."""
-
-    def __init__(self, answer=lambda _: None) -> None:
-        self.calls, self.answer = [], answer
-
-    def remote(self, *args):
-        self.calls.append(args[0] if len(args) == 1 else args)
-        result = self.answer(args[0])
-        if hasattr(result, "__anext__"):
-            return result
-
-        async def done():
-            return result
-        return done()
-
-
-class DecodeGroup:
-    def __init__(self, chunks: list[ReplyChunk]) -> None:
-        async def stream(_):
-            for chunk in chunks:
-                yield chunk
-        self.decode, self.release = Remote(stream), Remote()
-
-    def options(self, stream: bool):
-        return self
-
-
 def _loop(result: PrefillResult, decode_chunks: list[ReplyChunk], **config) -> tuple[TurnLoop, DecodeGroup]:
-    index = SimpleNamespace(lookup=Remote(lambda _: SimpleNamespace(prefill_cached_tokens={"p0": 0}, retained=None)),
-                            record_prefill=Remote(), forget_retained=Remote())
     decode = DecodeGroup(decode_chunks)
-    prefill = SimpleNamespace(prefill=Remote(lambda _: result), release=Remote())
-    return TurnLoop(AppConfig(**config), index, prefill, decode, MagicMock()), decode
+    return turn_loop(result, decode, **config), decode
 
 
 def _result(first: ReplyChunk | None) -> PrefillResult:

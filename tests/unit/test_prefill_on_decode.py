@@ -1,0 +1,82 @@
+"""Short appends run whole on the decode replica that retains the conversation (fakes for the
+deployments: the real flow and its oracle are in tests/integration/test_pipeline.py)."""
+
+import asyncio
+import time
+
+from app.decision import PullPolicy, decide_prefill_on_decode
+from app.protocol import Action, PrefillResult, PrefixLookup, Reason, ReplyChunk, RetainedMatch, SamplingSettings
+from app.turn import Turn
+from tests.factories import BLOCK, handoff, retained
+from tests.fakes import DecodeGroup, turn_loop
+
+HISTORY = list(range(300))
+POLICY = PullPolicy(block_size=BLOCK, threshold_tokens=32, expiry_margin_s=5.0, max_decode_prefill_tokens=64)
+NOW = 1000.0
+
+
+def _lookup(expiry: float) -> PrefixLookup:
+    return PrefixLookup(prefill_cached_tokens={"p0": 0},
+                        retained=RetainedMatch(retained(HISTORY, expiry), len(HISTORY) // BLOCK))
+
+
+def test_a_short_append_to_what_decode_retains_runs_on_decode():
+    decision = decide_prefill_on_decode(HISTORY + [7] * 20, _lookup(NOW + 60), POLICY, NOW)
+    assert decision.action == Action.PREFILL_ON_DECODE and decision.reason == Reason.SHORT_APPEND
+    assert decision.tokens_local == 288 and decision.pull is None and decision.pulled_tokens == 0
+    assert decision.retained.replica_id == "d0"
+
+
+def test_long_appends_expiring_blocks_and_switched_off_policies_go_through_prefill():
+    short = HISTORY + [7] * 20
+    assert decide_prefill_on_decode(HISTORY + [7] * 60, _lookup(NOW + 60), POLICY, NOW) is None, "76 new > 64"
+    assert decide_prefill_on_decode(short, _lookup(NOW + 2), POLICY, NOW) is None
+    assert decide_prefill_on_decode(short, PrefixLookup(), POLICY, NOW) is None
+    for off in ({"enabled": False}, {"max_decode_prefill_tokens": 0}):
+        assert decide_prefill_on_decode(short, _lookup(NOW + 60), PullPolicy(BLOCK, 32, 5.0, **off), NOW) is None
+
+
+PROMPT = tuple(HISTORY + [7] * 20)
+REPLY = [ReplyChunk(token_ids=(8,), text=" b", num_cached_tokens=288),
+         ReplyChunk(token_ids=(9,), text=" c", finish_reason="length",
+                    retained=retained(list(PROMPT) + [8], time.time() + 60, request_id="r2"))]
+THROUGH_PREFILL = PrefillResult(replica_id="p0", handoff=handoff(len(PROMPT) + 1, 0.0, name="prefill-0"),
+                                num_prompt_tokens=len(PROMPT), num_cached_tokens=0,
+                                first_chunk=ReplyChunk(token_ids=(8,), text=" b"))
+
+
+def _serve(decode: DecodeGroup, **turn):
+    loop = turn_loop(THROUGH_PREFILL, decode, _lookup(time.time() + 60))
+
+    async def run():
+        prepared = await loop.prepare(Turn("t", PROMPT, "salt", SamplingSettings(max_tokens=2), **turn))
+        return [chunk async for chunk in loop.decode(prepared)], prepared
+    return (*asyncio.run(run()), loop)
+
+
+def test_the_turn_loop_sends_a_short_append_to_the_retaining_replica_and_frees_the_old_sequence():
+    decode = DecodeGroup(REPLY)
+    chunks, prepared, loop = _serve(decode)
+    assert chunks == REPLY and loop.prefill_group.prefill.calls == []
+    request = decode.decode.calls[0]
+    assert request.handoff is None and request.target_replica_id == "d0" and request.prompt_token_ids == PROMPT
+    assert prepared.cached_tokens == 288 and prepared.log_entry["first_token_from"] == "decode"
+    assert loop.index.forget_retained.calls == [("d0", "r1")]
+    assert loop.prefill_group.release.calls == [prepared.decision.retained.handoff], "the extended sequence"
+    assert loop.index.record_retained.calls == [("salt", REPLY[-1].retained)]
+    assert loop.index.record_prefill.calls == [], "no prefill replica computed anything"
+
+
+def test_a_request_may_keep_its_prompt_on_prefill():
+    decode = DecodeGroup(REPLY)
+    _, prepared, loop = _serve(decode, prefill_on_decode=False)
+    assert prepared.decision.action == Action.PULL and len(loop.prefill_group.prefill.calls) == 1
+
+
+def test_a_failed_decode_replica_falls_back_to_recomputing_through_prefill():
+    decode = DecodeGroup(REPLY, fails_prompts=True)
+    chunks, prepared, loop = _serve(decode)
+    assert prepared.decision.action == Action.RECOMPUTE and prepared.decision.reason == Reason.DECODE_FAILED
+    assert loop.prefill_group.prefill.calls[0].pull is None, "nothing pulled from the failed replica"
+    assert [c.token_ids for c in chunks] == [(8,), (8,), (9,)]  # prefill's first token, then the fake's reply
+    assert decode.decode.calls[-1].handoff == THROUGH_PREFILL.handoff
