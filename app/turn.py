@@ -25,12 +25,14 @@ from app.conversations import RenderDiagnostics
 from app.decision import PullPolicy, decide_prefill_on_decode
 from app.hashing import block_hashes
 from app.horizon import EvictionHorizon
+from app.kv_index import KVIndex
 from app.metrics import TurnMetrics
 from app.protocol import (
     Action,
     DecodeRequest,
     PrefillRequest,
     PrefillResult,
+    PrefixLookup,
     Reason,
     ReplyChunk,
     RetainedBlocks,
@@ -40,6 +42,8 @@ from app.protocol import (
 from app.routing import CostWeights, PrefillChooser, RoutingPolicy
 
 logger = logging.getLogger("ray.serve")
+OWN_RETAINED_EXPIRY_S = 5.0
+"""How often the router drops expired entries from its own record of retained sequences."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,11 @@ class TurnLoop:
         """Each prefill replica's latest eviction horizon estimate."""
         self.queued_tokens: Counter[str] = Counter()
         """Prefill tokens this router has sent to each replica and not seen finish: its load."""
+        self.own_retained = KVIndex(config.block_size, hash_seed=config.prefix_hash_seed)
+        """The retained sequences this router recorded in the index, as a near cache: a short append
+        to one of them goes to decode without an index call. Stale entries cost speed, never
+        correctness: decode's prefix cache checks every block by hash."""
+        self._own_expired_at = 0.0
 
     async def prepare(self, turn: Turn) -> PreparedTurn:
         hashes = block_hashes(list(turn.prompt_token_ids), self.config.block_size, turn.cache_salt,
@@ -158,13 +167,20 @@ class TurnLoop:
         return settings
 
     async def _plan(self, turn: Turn, hashes: list[bytes]) -> RoutingDecision:
-        lookup = await self.index.lookup.remote(hashes)
         policy = self.policy if turn.reverse_pull else replace(self.policy, enabled=False)
-        if turn.prefill_on_decode and (
-                on_decode := decide_prefill_on_decode(list(turn.prompt_token_ids), lookup, policy, time.time())):
+        if on_decode := self._prefill_on_decode_decision(turn, self.own_retained.lookup(hashes), policy):
+            return on_decode
+        lookup = await self.index.lookup.remote(hashes)
+        if on_decode := self._prefill_on_decode_decision(turn, lookup, policy):
             return on_decode
         return self.choosers[turn.routing_policy].choose(list(turn.prompt_token_ids), lookup, self.queued_tokens,
                                                          turn.affinity_key, time.time(), policy, self.horizons)
+
+    @staticmethod
+    def _prefill_on_decode_decision(turn: Turn, lookup: PrefixLookup, policy: PullPolicy) -> RoutingDecision | None:
+        if not turn.prefill_on_decode:
+            return None
+        return decide_prefill_on_decode(list(turn.prompt_token_ids), lookup, policy, time.time())
 
     async def _compute_prompt(self, turn: Turn, decision: RoutingDecision, hashes: list[bytes]
                               ) -> tuple[PrefillResult, AsyncIterator[ReplyChunk] | None, RoutingDecision]:
@@ -182,7 +198,7 @@ class TurnLoop:
         """Start the whole turn on the decode replica that retains the conversation, up to its
         first chunk; None if that failed."""
         retained = decision.retained
-        self.index.forget_retained.remote((retained.replica_id, retained.handoff.request_id))
+        self._forget(retained)
         request = DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=turn.prompt_token_ids,
                                 cache_salt=turn.cache_salt, sampling=turn.sampling, handoff=None,
                                 target_replica_id=retained.replica_id)
@@ -203,10 +219,7 @@ class TurnLoop:
                                  cache_salt=turn.cache_salt, target_replica_id=decision.prefill_replica_id,
                                  pull=decision.pull, first_token=self._first_token_settings(turn))
         if decision.retained is not None and decision.action == Action.PULL:
-            # Reading frees every block of the retained sequence: it can serve one turn only.
-            # Not awaited: the index applies it in order, and this turn need not wait.
-            self.index.forget_retained.remote(
-                (decision.retained.replica_id, decision.retained.handoff.request_id))
+            self._forget(decision.retained)
         load = len(turn.prompt_token_ids) - decision.tokens_local
         self.queued_tokens[decision.prefill_replica_id] += load
         try:
@@ -234,10 +247,25 @@ class TurnLoop:
         if retained is None:
             calls += [self.decode_group.release.remote(handoff)] if handoff is not None else []
         elif prepared.turn.reverse_pull:
+            self._remember(prepared.turn.cache_salt, retained)
             calls.append(self.index.record_retained.remote(prepared.turn.cache_salt, retained))
         else:  # without reverse pulls nothing will read decode's blocks
             calls.append(self.prefill_group.release.remote(retained.handoff))
         await asyncio.gather(*calls)
+
+    def _remember(self, salt: str, retained: RetainedBlocks) -> None:
+        now = time.time()
+        if now - self._own_expired_at > OWN_RETAINED_EXPIRY_S:  # lookups skip expired ones meanwhile
+            self.own_retained.expire(now)
+            self._own_expired_at = now
+        self.own_retained.record_retained(salt, retained)
+
+    def _forget(self, retained: RetainedBlocks) -> None:
+        """A retained sequence serves one turn: a pull frees its blocks, a turn on decode extends it.
+        Not awaited: the index applies it in order, and this turn need not wait."""
+        key = (retained.replica_id, retained.handoff.request_id)
+        self.own_retained.forget_retained(key)
+        self.index.forget_retained.remote(key)
 
     def _log(self, turn: Turn, decision: RoutingDecision, result: PrefillResult,
              measured: dict[str, float | None]) -> dict[str, Any]:

@@ -37,9 +37,10 @@ def test_long_appends_expiring_blocks_and_switched_off_policies_go_through_prefi
 
 
 PROMPT = tuple(HISTORY + [7] * 20)
+# Built at import: the expiry must outlast the rest of the suite (the integration tests run first).
 REPLY = [ReplyChunk(token_ids=(8,), text=" b", num_cached_tokens=288),
          ReplyChunk(token_ids=(9,), text=" c", finish_reason="length",
-                    retained=retained(list(PROMPT) + [8], time.time() + 60, request_id="r2"))]
+                    retained=retained(list(PROMPT) + [8], time.time() + 3600, request_id="r2"))]
 THROUGH_PREFILL = PrefillResult(replica_id="p0", handoff=handoff(len(PROMPT) + 1, 0.0, name="prefill-0"),
                                 num_prompt_tokens=len(PROMPT), num_cached_tokens=0,
                                 first_chunk=ReplyChunk(token_ids=(8,), text=" b"))
@@ -47,11 +48,14 @@ THROUGH_PREFILL = PrefillResult(replica_id="p0", handoff=handoff(len(PROMPT) + 1
 
 def _serve(decode: DecodeGroup, **turn):
     loop = turn_loop(THROUGH_PREFILL, decode, _lookup(time.time() + 60))
+    return (*_turn(loop, PROMPT, **turn), loop)
 
+
+def _turn(loop, prompt: tuple[int, ...], **turn):
     async def run():
-        prepared = await loop.prepare(Turn("t", PROMPT, "salt", SamplingSettings(max_tokens=2), **turn))
+        prepared = await loop.prepare(Turn("t", prompt, "salt", SamplingSettings(max_tokens=2), **turn))
         return [chunk async for chunk in loop.decode(prepared)], prepared
-    return (*asyncio.run(run()), loop)
+    return asyncio.run(run())
 
 
 def test_the_turn_loop_sends_a_short_append_to_the_retaining_replica_and_frees_the_old_sequence():
@@ -80,3 +84,14 @@ def test_a_failed_decode_replica_falls_back_to_recomputing_through_prefill():
     assert loop.prefill_group.prefill.calls[0].pull is None, "nothing pulled from the failed replica"
     assert [c.token_ids for c in chunks] == [(8,), (8,), (9,)]  # prefill's first token, then the fake's reply
     assert decode.decode.calls[-1].handoff == THROUGH_PREFILL.handoff
+
+
+def test_a_short_append_to_a_sequence_this_router_recorded_needs_no_index_call():
+    _, _, loop = _serve(DecodeGroup(REPLY))
+    _, follow_up = _turn(loop, PROMPT + (8,) + (5,) * 10)
+    assert len(loop.index.lookup.calls) == 1, "only the first turn asked the index"
+    assert follow_up.decision.action == Action.PREFILL_ON_DECODE
+    assert follow_up.decision.retained == REPLY[-1].retained
+    assert loop.index.forget_retained.calls[-1] == ("d0", "r2")
+    _, other = _turn(loop, (1, 2, 3) * 40)
+    assert len(loop.index.lookup.calls) == 2 and other.decision.action != Action.PREFILL_ON_DECODE
