@@ -31,7 +31,8 @@ def run_pair(client: OpenAI, model: str, prompt: str, turns: int, reply_tokens: 
     for k in range(turns):
         for mode, messages in histories.items():
             messages.append({"role": "user", "content": f"Question {k}: explain the trade off of step {k}."})
-            result = chat_turn(client, messages, reply_tokens, model=model, reverse_pull=mode == "pull")
+            result = chat_turn(client, messages, reply_tokens, model=model, reverse_pull=mode == "pull",
+                               prefill_on_decode=False)
             messages.append({"role": "assistant", "content": result.text})
             results[mode].append(result)
     return results
