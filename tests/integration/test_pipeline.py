@@ -158,20 +158,37 @@ def _fresh_conversation(tag: str) -> list[dict]:
     return [{"role": "system", "content": f"{tag}. {SYSTEM_PROMPT}"}, {"role": "user", "content": "Hello"}]
 
 
+def _plant_for(messages: list[dict], app_config, expires_in_s: float) -> None:
+    from app.chat import PromptRenderer
+    from app.engine import free_port
+
+    renderer = PromptRenderer(app_config.model_path(), app_config.max_model_len)
+    _plant_retained(renderer.chat(messages, {}) + [7] * 64, free_port("127.0.0.1"), expires_in_s)
+
+
 @pytest.mark.parametrize("expires_in_s, reason", [(60.0, "pull_failed"), (1.0, "expires_too_soon")])
 def test_unreadable_retained_blocks_fall_back_to_recompute(client, http, reference, app_config, expires_in_s,
                                                            reason):
     import ray
 
-    from app.chat import PromptRenderer
-    from app.engine import free_port
-
     messages = _fresh_conversation(reason)
-    renderer = PromptRenderer(app_config.model_path(), app_config.max_model_len)
-    prompt_ids = renderer.chat(messages, {})
-    _plant_retained(prompt_ids + [7] * 64, free_port("127.0.0.1"), expires_in_s)
+    _plant_for(messages, app_config, expires_in_s)
     record = chat_turn(client, messages, MAX_TOKENS, stream=True, prefill_on_decode=False)
     decision = decisions_by_request(http)[record.request_id]
     assert decision["action"] == "recompute" and decision["reason"] == reason
+    assert record.cached_tokens == 0
+    assert record.output_ids == ray.get(reference.generate.remote([record.prompt_ids], MAX_TOKENS))[0]
+
+
+def test_a_stale_record_sends_a_short_append_to_decode_which_recomputes_what_it_lacks(client, http, reference,
+                                                                                    app_config):
+    """The record names a replica and blocks that don't exist: decode's prefix cache, which
+    matches blocks by hash, finds nothing, and the reply is still right."""
+    import ray
+
+    messages = _fresh_conversation("stale")
+    _plant_for(messages, app_config, 60.0)
+    record = chat_turn(client, messages, MAX_TOKENS, stream=True)
+    assert decisions_by_request(http)[record.request_id]["action"] == "prefill_on_decode"
     assert record.cached_tokens == 0
     assert record.output_ids == ray.get(reference.generate.remote([record.prompt_ids], MAX_TOKENS))[0]
