@@ -122,7 +122,8 @@ class PrefillResult:
     """Tokens the replica's KV pool holds (for the eviction-horizon estimate)."""
     first_chunk: ReplyChunk | None = None
     """The turn's first token, for the client now; decode continues from prompt + this token, whose
-    KV the handoff holds. Its finish_reason is set when the turn ends with it."""
+    KV the handoff holds. Its finish_reason is set when the turn ends with it. Computed on decode:
+    the first chunk of decode's reply, which goes on streaming."""
 
 
 @dataclass(frozen=True)

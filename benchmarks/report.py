@@ -33,7 +33,8 @@ class Row:
     plan_s: float
     """This app's stages, from its decision log (0 for peers): locate KV and choose a replica,"""
     prefill_s: float
-    """run prefill (pull or recompute), and get decode's first token, all inside the router"""
+    """compute the prompt (prefill: pull or recompute; or decode itself, for a short append, up to
+    its first chunk), and get decode's first token, all inside the router"""
     decode_first_s: float
     """(0 when prefill sent the first token); the rest of ttft_s is outside: HTTP proxy,
     rendering, streaming hops."""
