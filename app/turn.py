@@ -273,7 +273,9 @@ class TurnLoop:
         entry = {"event": "kv_decision", "request_id": turn.request_id, "time": time.time(),
                  "prompt_tokens": len(turn.prompt_token_ids), "cached_tokens": result.num_cached_tokens,
                  "pulled_tokens": pulled, "prefill_replica": result.replica_id,
-                 **{k: v for k, v in dataclasses.asdict(decision).items() if k not in ("pull", "retained")},
+                 # Not asdict: it would deep-copy the retained sequence's token ids on the hot path.
+                 **{f.name: getattr(decision, f.name) for f in dataclasses.fields(decision)
+                    if f.name not in ("pull", "retained")},
                  "action": decision.action.value, "reason": decision.reason.value,
                  "pull_source": decision.pull.source.engine_id if decision.pull else None,
                  "policy": turn.routing_policy.value, **measured,
