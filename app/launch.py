@@ -1,5 +1,6 @@
 """Start the graph on a local Ray for tests, benchmarks and notebooks: `start_local(config)` -> URL."""
 
+import os
 import socket
 
 from app.config import TINY_MODEL, AppConfig
@@ -7,6 +8,7 @@ from app.graph import build_graph
 from app.model.tiny import ensure_tiny_model
 
 APP_NAME = "kvloop"
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 
 
 def free_local_port() -> int:
@@ -22,11 +24,15 @@ def start_local(config: AppConfig, num_cpus: int = 4) -> str:
     return url
 
 
-def start_serve(num_cpus: int = 4) -> str:
-    """A local Ray and Serve with no application yet; returns the proxy's URL."""
+def start_serve(num_cpus: int = 4, haproxy: bool = True) -> str:
+    """A local Ray and Serve with no application yet; returns the ingress URL. `haproxy`: Serve's
+    HAProxy ingress, which forwards each request straight to the router replica's own HTTP server;
+    off: Serve's Python proxy actor, one more process each way (README, "Ingress")."""
     import ray
     from ray import serve
 
+    # Serve's controller reads this from its environment, which it inherits from the Ray started here.
+    os.environ[HAPROXY_ENV] = "1" if haproxy else "0"
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     port = free_local_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -20,6 +20,7 @@ Scenarios (each one app configuration, started in turn; peers run alone on the m
 - `2-prefill`: two prefill replicas (prefix cache on), for the routing policies.
 
     python -m benchmarks.multi_turn [--preset default|ci] [--scenarios prefix-off small-pool 2-prefill]
+                                    [--serve-proxy]
     python -m benchmarks.multi_turn --url http://cluster:8000 --systems disagg pull+preserve
 """
 
@@ -214,7 +215,8 @@ def run(url: str | None, systems: list[str], preset: str | Preset, config: AppCo
                         model, progress)
 
 
-def run_all(names: list[str], preset: Preset, base_args: dict[str, str]) -> tuple[list[Row], AppConfig]:
+def run_all(names: list[str], preset: Preset, base_args: dict[str, str],
+            haproxy: bool = True) -> tuple[list[Row], AppConfig]:
     """Every scenario on a local Ray and Serve, one after another; returns rows and the base config."""
     from tqdm import tqdm
 
@@ -223,7 +225,7 @@ def run_all(names: list[str], preset: Preset, base_args: dict[str, str]) -> tupl
     plan = [scenarios(preset)[n] for n in names]
     base = load_config({"max_model_len": str(preset.max_model_len), **base_args})
     tokenizer = load_tokenizer(base)
-    proxy_url = start_serve()
+    proxy_url = start_serve(haproxy=haproxy)
     progress = tqdm(total=sum(len(s.systems) for s in plan), desc="systems", file=sys.stderr)
     rows: list[Row] = []
     for scenario in plan:
@@ -255,6 +257,8 @@ def main() -> None:
     parser.add_argument("--url", help="a running app (a cluster's endpoint): run --systems against it instead")
     parser.add_argument("--systems", nargs="+", default=["disagg", "pull", "pull+preserve", "on-decode"],
                         choices=[*PEERS, *APP_SYSTEMS])
+    parser.add_argument("--serve-proxy", action="store_true",
+                        help="the local Serve ingress is Serve's Python proxy actor instead of HAProxy")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / time.strftime("%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     preset = preset_from_args(args)
@@ -262,8 +266,9 @@ def main() -> None:
         config = load_config({"max_model_len": str(preset.max_model_len)})
         rows = run(args.url, args.systems, preset, config)
     else:
-        rows, config = run_all(args.scenarios, preset, {})
-    summary = summarize(rows, config)
+        rows, config = run_all(args.scenarios, preset, {}, haproxy=not args.serve_proxy)
+    ingress = args.url or ("Serve's proxy actor" if args.serve_proxy else "Serve's HAProxy ingress")
+    summary = f"ingress: {ingress}\n\n" + summarize(rows, config)
     write_results(rows, summary, args.out)
     print(summary)
     print(f"rows, summary and plot in {args.out}")

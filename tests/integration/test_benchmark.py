@@ -60,3 +60,17 @@ def test_notebook_executes_headless_against_the_app(base_url, tmp_path):
     subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", str(notebook),
                     "--output-dir", str(tmp_path), "--ExecutePreprocessor.timeout=600"], env=env, check=True)
     assert (tmp_path / "out" / "rows.parquet").exists() and (tmp_path / "multi_turn.ipynb").exists()
+
+
+def test_paired_rounds_alternate_the_systems_and_pool_their_later_turns(base_url, app_config):
+    from benchmarks.paired import report, run_rounds
+    from benchmarks.peers import plain_vllm
+
+    preset = PRESETS["ci"]
+    with plain_vllm(app_config) as vllm_url:
+        results = run_rounds({"vllm": vllm_url, "on-decode": base_url}, load_tokenizer(app_config), preset,
+                             app_config.model_name, rounds=2)
+    assert [list(r.later_ttft_ms) for r in results] == [["vllm", "on-decode"], ["on-decode", "vllm"]]
+    later_turns = preset.in_flight * (preset.profile.turns - 1)
+    assert all(len(ttfts) == later_turns for r in results for ttfts in r.later_ttft_ms.values())
+    assert "pooled later-turn TTFT p50" in report(results)
