@@ -31,8 +31,11 @@ def start_serve(num_cpus: int = 4, haproxy: bool = True) -> str:
     import ray
     from ray import serve
 
-    # Serve's controller reads this from its environment, which it inherits from the Ray started here.
-    os.environ[HAPROXY_ENV] = "1" if haproxy else "0"
+    # Serve reads these from its environment, which it inherits from the Ray started here. HAProxy's
+    # own stats and metrics ports are fixed by default: free ones let another Serve run beside.
+    os.environ.update({HAPROXY_ENV: "1" if haproxy else "0",
+                       "RAY_SERVE_HAPROXY_STATS_PORT": str(free_local_port()),
+                       "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_local_port())})
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     port = free_local_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
