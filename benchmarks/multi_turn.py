@@ -247,6 +247,11 @@ PROFILE_FIELDS = {"system_tokens": int, "user_tokens": int, "reply_tokens": int,
 PRESET_FIELDS = {"in_flight": int, "think_s": float, "think_distribution": str, "pool_blocks": int}
 
 
+def add_serve_proxy_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--serve-proxy", action="store_true",
+                        help="the local Serve ingress is Serve's Python proxy actor instead of HAProxy")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
@@ -257,8 +262,7 @@ def main() -> None:
     parser.add_argument("--url", help="a running app (a cluster's endpoint): run --systems against it instead")
     parser.add_argument("--systems", nargs="+", default=["disagg", "pull", "pull+preserve", "on-decode"],
                         choices=[*PEERS, *APP_SYSTEMS])
-    parser.add_argument("--serve-proxy", action="store_true",
-                        help="the local Serve ingress is Serve's Python proxy actor instead of HAProxy")
+    add_serve_proxy_flag(parser)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / time.strftime("%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     preset = preset_from_args(args)

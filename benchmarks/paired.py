@@ -13,7 +13,16 @@ import argparse
 import statistics
 from dataclasses import dataclass
 
-from benchmarks.multi_turn import APP_SYSTEMS, PRESETS, Preset, SystemRun, drive, scenarios, warm_up
+from benchmarks.multi_turn import (
+    APP_SYSTEMS,
+    PRESETS,
+    Preset,
+    SystemRun,
+    add_serve_proxy_flag,
+    drive,
+    scenarios,
+    warm_up,
+)
 
 SYSTEMS = ("vllm", "on-decode")
 
@@ -66,8 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    parser.add_argument("--serve-proxy", action="store_true",
-                        help="the local Serve ingress is Serve's Python proxy actor instead of HAProxy")
+    add_serve_proxy_flag(parser)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     config = load_config({"max_model_len": str(preset.max_model_len), **scenarios(preset)["prefix-off"].app_args})
