@@ -1,0 +1,130 @@
+"""kuberay.yaml is a RayService that KubeRay and Ray accept, for the layout and app of cluster.yaml + serve.yaml."""
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+# A pruned copy of KubeRay's RayService CRD schema; the file says where from and how to regenerate it.
+CRD = yaml.safe_load((Path(__file__).with_name("data") / "rayservice_crd_extract.yaml").read_text())
+ENGINE_GROUPS = ("prefill", "decode")
+
+
+@pytest.fixture
+def service() -> dict:
+    return yaml.safe_load((ROOT / "kuberay.yaml").read_text())
+
+
+@pytest.fixture
+def app_args(service) -> dict:
+    from ray.serve.schema import ServeDeploySchema
+
+    (app,) = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"])).applications
+    return app.args
+
+
+def _groups(service: dict) -> dict[str, dict]:
+    cluster = service["spec"]["rayClusterConfig"]
+    return {"head": cluster["headGroupSpec"], **{g["groupName"]: g for g in cluster["workerGroupSpecs"]}}
+
+
+def _ray_container(group: dict) -> dict:
+    return group["template"]["spec"]["containers"][0]  # KubeRay runs Ray in a pod's first container
+
+
+def test_manifest_passes_the_rayservice_crd_schema(service):
+    assert (service["apiVersion"], service["kind"]) == (CRD["apiVersion"], CRD["kind"])
+    jsonschema.validate(service, CRD["schema"])
+    # KubeRay's own metadata check: a DNS-1035 label short enough for the RayCluster name it derives.
+    name = service["metadata"]["name"]
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 47
+
+
+def test_every_group_has_the_fields_kuberay_needs(service):
+    assert isinstance(service["spec"]["serveConfigV2"], str)
+    for name, group in _groups(service).items():
+        assert isinstance(group["rayStartParams"], dict), name
+        assert all(c["name"] and c["image"] for c in group["template"]["spec"]["containers"]), name
+    for group in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        assert group["groupName"] and 1 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    # The head Service gets these ports: workers join through gcs-server, the operator deploys the app through
+    # dashboard, and without a port named serve KubeRay creates no serve Service.
+    ports = {p["name"]: p["containerPort"] for p in _ray_container(_groups(service)["head"])["ports"]}
+    assert (ports["gcs-server"], ports["dashboard"], ports["serve"]) == (6379, 8265, 8000)
+
+
+def test_serve_config_is_serve_yaml(service):
+    assert yaml.safe_load(service["spec"]["serveConfigV2"]) == yaml.safe_load((ROOT / "serve.yaml").read_text())
+
+
+def test_app_args_build_the_gpu_config(app_args):
+    from app.config import Device, load_config
+
+    config = load_config(app_args)
+    assert config.device == Device.CUDA and config.nixl_backends == ("LIBFABRIC",)
+    for role in ENGINE_GROUPS:
+        group = getattr(config, role)
+        assert group.gpus_per_replica == config.tensor_parallel_size and dict(group.bundle_resources) == {
+            f"{role}_node": 1}
+
+
+def test_each_engine_bundle_fits_its_own_worker_group_only(service, app_args):
+    """Read the groups as Ray's KubeRay autoscaler does: only the prefill group can host a prefill bundle."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    from app.config import load_config
+
+    ray_cluster = {"metadata": {"name": "kv-loop", "namespace": "default"},
+                   "spec": service["spec"]["rayClusterConfig"]}
+    node_types = _derive_autoscaling_config_from_ray_cr(ray_cluster)["available_node_types"]
+    config = load_config(app_args)
+    for role in ENGINE_GROUPS:
+        group = getattr(config, role)
+        bundle = {"CPU": group.cpus_per_replica, "GPU": group.gpus_per_replica, **group.bundle_resources}
+        fits = {name for name, node in node_types.items()
+                if all(node["resources"].get(key, 0) >= amount for key, amount in bundle.items())}
+        assert fits == {role}
+
+
+@pytest.mark.parametrize("role", ENGINE_GROUPS)
+def test_custom_resource_param_reaches_ray_start_intact(service, role):
+    from ray._private.utils import parse_resources_json
+    from ray.autoscaler._private.cli_logger import cf, cli_logger
+    from ray.scripts.scripts import start
+
+    value = _groups(service)[role]["rayStartParams"]["resources"]
+    expected = {f"{role}_node": 1}
+    # KubeRay merges accelerator resources into it: getResourcesMap in ray-operator/controllers/ray/common/pod.go
+    # trims quotes and backticks, then parses JSON.
+    assert json.loads(value.strip("'\"` ")) == expected
+    # KubeRay then runs `ray start --resources=<value>` under /bin/bash -c; shlex splits the words as bash would.
+    params = start.make_context("ray start", shlex.split(f"--address=head:6379 --resources={value}")).params
+    assert parse_resources_json(params["resources"], cli_logger, cf) == expected
+
+
+def test_gpu_groups_get_eight_gpus_and_efa(service, app_args):
+    for role in ENGINE_GROUPS:
+        container = _ray_container(_groups(service)[role])
+        limits = container["resources"]["limits"]
+        assert int(limits["nvidia.com/gpu"]) == app_args["tensor_parallel_size"] == 8
+        assert int(limits["vpc.amazonaws.com/efa"]) >= 1
+        assert container["resources"]["requests"] == limits  # extended resources need requests == limits
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["FI_PROVIDER"] == "efa"
+    assert "nvidia.com/gpu" not in _ray_container(_groups(service)["head"])["resources"]["limits"]
+
+
+def test_haproxy_ingress_is_on_in_every_ray_container(service):
+    for name, group in _groups(service).items():
+        env = {e["name"]: e.get("value") for e in _ray_container(group).get("env", [])}
+        assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", name
+
+
+def test_dashboard_is_not_exposed_outside_the_cluster(service):
+    head = _groups(service)["head"]
+    assert head.get("serviceType", "ClusterIP") == "ClusterIP" and not head.get("enableIngress", False)
