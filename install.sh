@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Create .venv and install the project: `./install.sh` (CPU), `./install.sh test` (CPU + test tools),
-# `./install.sh gpu` (CUDA vLLM). Safe to run again.
+# Create .venv and install the project: `./install.sh` (CPU), `./install.sh test` (CPU + test tools + the
+# benchmarks' packages, since the tests run the benchmarks), `./install.sh gpu` (CUDA vLLM). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")"
 extras=cpu
 case "${1:-}" in
-  test) extras=cpu,test ;;
+  test) extras=cpu,test,bench ;;
   gpu) extras=gpu ;;
 esac
 [ -x .venv/bin/python ] || python3 -m venv .venv
