@@ -50,6 +50,72 @@ class EngineGroupConfig:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """Every concurrency cap, queue bound, timeout and TTL of the serving path, set on purpose.
+
+    Serve's defaults (5 ongoing requests per replica, unbounded queues) would queue a busy
+    service silently; these bound it and answer overload with 503 + Retry-After instead."""
+
+    router_max_ongoing_requests: int = 256
+    """Requests one router replica serves at once. A stream holds its slot until [DONE], so this is
+    the number of conversations in flight per router replica (Serve's default of 5 queued 32
+    conversations behind five slots: later-turn TTFT 5-10x)."""
+    router_max_queued_requests: int = 512
+    """Requests waiting for a router slot before new ones get 503 with Retry-After."""
+    engine_max_ongoing_requests: int = 128
+    """Calls one engine replica takes at once (prefill calls, decode streams); vLLM queues inside."""
+    engine_max_queued_requests: int = 512
+    """Calls waiting for an engine replica slot before the router's call is refused (then retried elsewhere)."""
+    index_max_ongoing_requests: int = 1024
+    """Concurrent calls to the KV index actor: each is a short in-memory lookup or record."""
+    retry_after_s: int = 2
+    """Retry-After on 503s (overload, engines starting, no engine alive)."""
+    bookkeeping_timeout_s: float = 1.0
+    """A KV index call or block release that takes longer is abandoned: the turn goes on without it
+    (recompute instead of pull; the owner's TTL frees the blocks); an index restart never stalls a reply."""
+    prefill_timeout_s: float = 120.0
+    """Prefill (or a pull plus prefill) of one turn; past it the client gets 504."""
+    first_chunk_timeout_s: float = 120.0
+    """From the decode request to its first chunk; past it the client gets 504 (in-band once streaming)."""
+    stream_idle_timeout_s: float = 60.0
+    """The longest gap between two chunks of a reply before the stream is ended with an error."""
+    max_request_bytes: int = 4 * 1024 * 1024
+    """Request bodies above this get 413 before they are parsed."""
+    max_messages: int = 2048
+    """Chat messages per request above this get 400."""
+    heartbeat_interval_s: float = 1.0
+    """How often each engine replica renews its registration in the KV index."""
+    registration_ttl_s: float = 5.0
+    """A registration not renewed for this long is dropped: the replica's engine is dead or gone."""
+    health_check_period_s: float = 2.0
+    """Serve's health check of engine replicas (a dead engine also stops heartbeating at once, and the
+    router routes around it from its first failed call)."""
+    health_check_timeout_s: float = 30.0
+    """Serve's limit for one health check before the replica counts as unhealthy."""
+    retained_trim_interval_s: float = 0.5
+    """How often decode checks what it retains against its pool share and the requests waiting."""
+    suspect_replica_s: float = 10.0
+    """After a call to a replica fails, the router routes around it for this long."""
+    retained_pool_share: float = 0.5
+    """Decode keeps finished sequences for the next turn in at most this share of its KV pool; past
+    it, or when requests wait for blocks, the oldest are released (they are a cache, not a reservation)."""
+
+    def __post_init__(self) -> None:
+        positive = {name: getattr(self, name) for name in (
+            "router_max_ongoing_requests", "engine_max_ongoing_requests", "index_max_ongoing_requests",
+            "bookkeeping_timeout_s", "prefill_timeout_s", "first_chunk_timeout_s", "stream_idle_timeout_s",
+            "max_request_bytes", "max_messages", "heartbeat_interval_s", "health_check_period_s",
+            "retained_trim_interval_s")}
+        failed = [f"limits.{name} must be > 0" for name, value in positive.items() if value <= 0]
+        if self.registration_ttl_s < 2 * self.heartbeat_interval_s:
+            failed.append("limits.registration_ttl_s must be at least twice limits.heartbeat_interval_s")
+        if not 0 < self.retained_pool_share <= 1:
+            failed.append("limits.retained_pool_share must lie in (0, 1]")
+        if failed:
+            raise ValueError("invalid config: " + "; ".join(failed))
+
+
+@dataclass(frozen=True)
 class AppConfig:
     model: str = TINY_MODEL
     """Model path or hub id; "tiny-qwen3" builds the embedded random-weight model on first start."""
@@ -76,6 +142,11 @@ class AppConfig:
     (`benchmarks/reverse_pull.py --sweep`); measure yours."""
     retention_ttl_s: float = 120.0
     """How long decode keeps a finished sequence's blocks for the next turn (think time)."""
+    handoff_lease_s: int = 120
+    """How long prefill holds a turn's blocks for decode to read before freeing them (vLLM's
+    kv_lease_duration on prefill). Each heartbeat of a reading decode extends it by 2/3 of this,
+    and decode heartbeats every retention_ttl_s / 6 (vLLM's rule), so a decode that starts reading
+    late keeps its blocks; a turn that ends unread releases them at once, so this is a backstop."""
     expiry_margin_s: float = 5.0
     """Decline retained blocks that expire sooner than this: the pull must finish first."""
     min_local_horizon_s: float = 30.0
@@ -126,9 +197,12 @@ class AppConfig:
     max_conversations: int = 100_000
     """Records kept per router replica (LRU beyond that)."""
     router_replicas: int = 1
-    request_timeout_s: float = 300.0
+    """HTTP ingress replicas; they share conversation records through the KV index."""
+    limits: Limits = Limits()
     api_keys: Mapping[str, str] = field(default_factory=dict)
     """API key -> tenant. Empty: every request is tenant "default". Set: unknown keys get 401."""
+    admin_api_keys: tuple[str, ...] = ()
+    """Keys that may read /admin/*; once api_keys or these are set, /admin answers no one else."""
     per_user_salt_tenants: tuple[str, ...] = ()
     """Tenants whose cache salt is per user (the request's `user` field), for sensitive tenants."""
 
@@ -143,6 +217,9 @@ class AppConfig:
             "stream_interval_tokens must be >= 1": self.stream_interval_tokens >= 1,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
             "min_local_horizon_s must be >= 0": self.min_local_horizon_s >= 0,
+            # At least three of decode's heartbeats inside each lease extension on prefill.
+            "decode's lease heartbeat (retention_ttl_s / 6) must come 3x inside prefill's lease extension "
+            "(handoff_lease_s * 2 / 3)": int(self.retention_ttl_s) // 6 * 3 <= self.handoff_lease_s * 2 // 3,
             "max_decode_prefill_tokens must be >= 0": self.max_decode_prefill_tokens >= 0,
             # vLLM keeps one block of the pool as its null block.
             "a num_gpu_blocks_override pool must hold max_model_len tokens plus one block": all(

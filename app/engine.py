@@ -7,6 +7,7 @@ into vLLM's kv_transfer_params (and back). Prefill and decode replicas each hold
 
 import os
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +21,35 @@ from app.nixl_poll import POLL_DELAY_ENV
 from app.protocol import EngineEndpoint, KVHandoff, Role, SamplingSettings
 
 
+@dataclass
+class EngineLoad:
+    """The engine's latest scheduler stats (vLLM's own numbers, refreshed every engine step)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+
+
+def load_logger_factory(load: EngineLoad):
+    """A vLLM stat-logger factory that copies each step's scheduler stats into `load`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class LoadLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                load.num_running_reqs = scheduler_stats.num_running_reqs
+                load.num_waiting_reqs = scheduler_stats.num_waiting_reqs
+                load.kv_cache_usage = scheduler_stats.kv_cache_usage
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return LoadLogger
+
+
 @dataclass(frozen=True)
 class EngineIdentity:
     role: Role
@@ -31,7 +61,14 @@ class EngineIdentity:
 
     @property
     def events_endpoint(self) -> str:
+        """Where the KV index subscribes: the node's own address (the events carry token ids)."""
         return f"tcp://{self.host}:{self.events_port}"
+
+    @property
+    def engine_events_endpoint(self) -> str:
+        """Where vLLM publishes, local to the node; vLLM binds only wildcard or ipc endpoints, so the
+        replica forwards from here to `events_endpoint` (app/kv_events.forward)."""
+        return f"ipc://{tempfile.gettempdir()}/kv-loop-events-{self.engine_id}"
 
 
 def free_port(host: str) -> int:
@@ -78,10 +115,12 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
             # The router decides pull vs recompute; the engine must not second-guess it.
             "kv_recompute_threshold": 0,
             "decoder_kv_blocks_ttl": config.retention_ttl_s,
-            # How long an engine holds blocks it computed for a reader. On decode these are the
-            # turns it prefilled itself, which the next turn's prefill may pull. (Decode also
-            # heartbeats prefill's leases every lease/6 s: 20 s at 120, within prefill's 30 s.)
-            **({"kv_lease_duration": int(config.retention_ttl_s)} if identity.role == Role.DECODE else {}),
+            # How long an engine holds blocks it computed for a reader: on prefill the handoff to
+            # decode; on decode the turns it prefilled itself, which the next turn's prefill may pull.
+            # Decode heartbeats prefill's leases every (its lease / 6) s, well inside prefill's
+            # extension of 2/3 of its lease (AppConfig checks the margin).
+            "kv_lease_duration": int(config.retention_ttl_s) if identity.role == Role.DECODE
+            else int(config.handoff_lease_s),
         })
     path = str(config.model_path())
     return AsyncEngineArgs(
@@ -95,7 +134,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         stream_interval=config.stream_interval_tokens,
         kv_transfer_config=transfer, worker_extension_cls="app.nixl_poll.NixlPollDelay",
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                        endpoint=f"tcp://*:{identity.events_port}") if config.kv_events else None,
+                                        endpoint=identity.engine_events_endpoint) if config.kv_events else None,
         disable_log_stats=False)
 
 
@@ -155,15 +194,20 @@ class Engine:
 
     def __init__(self, config: AppConfig, role: Role, rank: int, host: str) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         group = config.prefill if role == Role.PREFILL else config.decode
         self.identity = assign_identity(config, role, rank, host)
         os.environ.update(engine_env(config, group, self.identity))
         self.endpoint = EngineEndpoint(engine_id=self.identity.engine_id, host=host,
                                        port=self.identity.port, tp_size=config.tensor_parallel_size)
-        self.llm = AsyncLLM.from_engine_args(engine_args(config, group, self.identity))
+        self.load = EngineLoad()
+        # RayPrometheusStatLogger: vLLM's own metrics through Ray's endpoint (the dashboard's engine panels).
+        self.llm = AsyncLLM.from_engine_args(engine_args(config, group, self.identity),
+                                             stat_loggers=[load_logger_factory(self.load), RayPrometheusStatLogger])
         cache = self.llm.vllm_config.cache_config
-        self.pool_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
+        self.pool_blocks = cache.num_gpu_blocks or 0
+        self.pool_tokens = self.pool_blocks * cache.block_size
 
     def generate(self, request_id: str, prompt_token_ids: tuple[int, ...], cache_salt: str,
                  settings: SamplingSettings, kv_transfer_params: dict[str, Any]) -> AsyncIterator[Any]:

@@ -3,26 +3,37 @@
     HTTP ──▶ Router ──▶ PrefillServer × N ──NIXL──▶ DecodeServer × M
                │  ▲             ▲─────────NIXL (reverse pull)──────┘
                ▼  │
-             KVIndexServer
+             KVIndexServer  ◀── heartbeats of every engine replica
 Building the graph starts nothing and builds no model; replicas do that when they start.
+Every concurrency cap, queue bound and health-check period comes from `AppConfig.limits`.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from app.config import AppConfig, EngineGroupConfig, load_config
+from app.config import AppConfig, EngineGroupConfig, Limits, load_config
 
 if TYPE_CHECKING:  # vLLM imports this package in every engine process: keep Ray out of it
     from ray.serve import Application
 
 
+def _backpressure(limits: Limits):
+    from ray.serve.config import BackpressureConfig
+
+    return BackpressureConfig(status_code=503, retry_after_s=limits.retry_after_s)
+
+
 def _engine_options(config: AppConfig, group: EngineGroupConfig) -> dict[str, Any]:
+    limits = config.limits
     bundle = {"CPU": group.cpus_per_replica, **({"GPU": group.gpus_per_replica} if group.gpus_per_replica else {}),
               **group.bundle_resources}
     return {"num_replicas": group.replicas,
             "ray_actor_options": {"num_cpus": group.cpus_per_replica, "num_gpus": group.gpus_per_replica,
                                   "resources": dict(group.bundle_resources)},
             "placement_group_bundles": [bundle], "placement_group_strategy": "STRICT_PACK",
-            "max_ongoing_requests": 64, "health_check_period_s": 10, "health_check_timeout_s": 60}
+            "max_ongoing_requests": limits.engine_max_ongoing_requests,
+            "max_queued_requests": limits.engine_max_queued_requests,
+            "health_check_period_s": limits.health_check_period_s,
+            "health_check_timeout_s": limits.health_check_timeout_s}
 
 
 def build_graph(config: AppConfig) -> "Application":
@@ -31,10 +42,15 @@ def build_graph(config: AppConfig) -> "Application":
     from deployments.prefill import PrefillServer
     from deployments.router import Router
 
-    index = KVIndexServer.bind(config)
+    limits = config.limits
+    index = KVIndexServer.options(max_ongoing_requests=limits.index_max_ongoing_requests).bind(config)
     prefill = PrefillServer.options(name="prefill", **_engine_options(config, config.prefill)).bind(config, index)
-    decode = DecodeServer.options(name="decode", **_engine_options(config, config.decode)).bind(config, index)
-    return Router.options(name="router", num_replicas=config.router_replicas).bind(config, index, prefill, decode)
+    # Decode sends its releases through prefill (an engine cannot notify itself over NIXL).
+    decode = DecodeServer.options(name="decode", **_engine_options(config, config.decode)).bind(config, index, prefill)
+    return Router.options(name="router", num_replicas=config.router_replicas,
+                          max_ongoing_requests=limits.router_max_ongoing_requests,
+                          max_queued_requests=limits.router_max_queued_requests,
+                          backpressure_config=_backpressure(limits)).bind(config, index, prefill, decode)
 
 
 def graph(args: dict[str, Any] | None = None) -> "Application":

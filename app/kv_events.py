@@ -1,6 +1,7 @@
 """vLLM's KV cache events, from an engine's ZMQ publisher into the KV index.
 
-engine (KVEventsConfig, zmq PUB: topic | seq | msgpack KVEventBatch) ──▶ subscribe() ──▶ apply()
+engine (KVEventsConfig, zmq PUB on a node-local ipc socket) ──forward()──▶ PUB on the node's own
+address ──▶ subscribe() (KV index: topic | seq | msgpack KVEventBatch) ──▶ apply()
 BlockStored / BlockRemoved / AllBlocksCleared carry the same block hashes the router computes
 (app/hashing.py), so the index learns what each replica really holds, LRU evictions included.
 """
@@ -23,6 +24,25 @@ def apply(index: KVIndex, replica_id: str, batch) -> None:
             index.blocks_removed(replica_id, [bytes(h) for h in event.block_hashes])
         elif isinstance(event, AllBlocksCleared):
             index.blocks_cleared(replica_id)
+
+
+async def forward(source: str, destination: str) -> None:
+    """Relay every message from the engine's local publisher to a PUB bound on `destination`
+    (vLLM itself binds only every interface or ipc). Runs for the replica's life."""
+    import zmq
+    import zmq.asyncio
+
+    context = zmq.asyncio.Context.instance()
+    sub, pub = context.socket(zmq.SUB), context.socket(zmq.PUB)
+    sub.connect(source)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    pub.bind(destination)
+    try:
+        while True:
+            await pub.send_multipart(await sub.recv_multipart())
+    finally:
+        sub.close(linger=0)
+        pub.close(linger=0)
 
 
 async def subscribe(endpoint: str) -> AsyncIterator:

@@ -5,6 +5,10 @@ the router before each turn. Plain data, no Ray: deployments/kv_index.py wraps i
 
     retained:  hash(b0..bi) ──▶ {sequence keys}     sequences: key ──▶ RetainedBlocks
     prefill:   replica ──▶ LRU{hash(b0..bi): CONFIRMED (KV events) | predicted-at (router history)}
+    replicas:  replica ──▶ (ReplicaInfo, last heartbeat); unrenewed ones are dropped with their data
+
+A retained sequence is read at most once (vLLM frees it after the first read), so it has one
+owner: whoever `take`s it out of the index. Only the owner pulls it or releases it.
 """
 
 import time
@@ -25,18 +29,32 @@ class KVIndex:
         self.predicted_confidence, self.predicted_ttl_s = predicted_confidence, predicted_ttl_s
         self.prefill_capacity_blocks = prefill_capacity_blocks
         self.replicas: dict[str, ReplicaInfo] = {}
+        self._last_seen: dict[str, float] = {}
         self._sequences: dict[SequenceKey, RetainedBlocks] = {}
         self._sequence_hashes: dict[SequenceKey, list[bytes]] = {}
         self._by_hash: dict[bytes, set[SequenceKey]] = {}
         self._prefill_blocks: dict[str, OrderedDict[bytes, float]] = {}  # hash -> predicted at | CONFIRMED
 
-    def register(self, info: ReplicaInfo) -> None:
+    def register(self, info: ReplicaInfo, now: float | None = None) -> bool:
+        """Register or renew (a heartbeat); True when the replica was not registered before."""
+        new = info.replica_id not in self.replicas
         self.replicas[info.replica_id] = info
+        self._last_seen[info.replica_id] = time.time() if now is None else now
         if info.role == Role.PREFILL:
             self._prefill_blocks.setdefault(info.replica_id, OrderedDict())
+        return new
+
+    def expire_replicas(self, ttl_s: float, now: float | None = None) -> list[str]:
+        """Drop replicas whose heartbeat stopped (their engine died or they were stopped)."""
+        now = time.time() if now is None else now
+        stale = [r for r, seen in self._last_seen.items() if now - seen > ttl_s]
+        for replica_id in stale:
+            self.unregister(replica_id)
+        return stale
 
     def unregister(self, replica_id: str) -> None:
         self.replicas.pop(replica_id, None)
+        self._last_seen.pop(replica_id, None)
         self._prefill_blocks.pop(replica_id, None)
         for key in [k for k in self._sequences if k[0] == replica_id]:
             self.forget_retained(key)

@@ -48,6 +48,19 @@ class TurnMetrics:
             "kv_loop_render_shared_tokens", "Prompt tokens shared with the previous turn's full sequence.",
             tag_keys=("mode",))
 
+        self.bookkeeping_failures = metrics.Counter(
+            "kv_loop_bookkeeping_failures", "Index calls and block releases that failed or timed out (the reply "
+            "went on without them).", tag_keys=("call",))
+        self.engine_failures = metrics.Counter(
+            "kv_loop_engine_failures", "Engine calls that failed, by stage; the turn moved to another engine.",
+            tag_keys=("stage",))
+
+    def record_bookkeeping_failure(self, call: str) -> None:
+        self.bookkeeping_failures.inc(1, {"call": call})
+
+    def record_engine_failure(self, stage: str) -> None:
+        self.engine_failures.inc(1, {"stage": stage})
+
     def record_turn(self, decision: RoutingDecision, prompt_tokens: int, cached_tokens: int,
                     pulled_tokens: int) -> None:
         self.decisions.inc(1, {"action": decision.action.value, "reason": decision.reason.value})

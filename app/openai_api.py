@@ -1,20 +1,35 @@
 """The OpenAI-compatible wire format: request validation in, response and SSE chunk shapes out.
 
-Unknown fields are accepted and ignored (clients send many); `kv_transfer_params` in particular
-is never read: only the router's own records decide what is pulled from where.
+Fields this server does not implement are refused by name when they ask for something (`n` > 1,
+`tools`, `logprobs`, ...), never silently ignored; other unknown fields are accepted and ignored
+(clients send many). `kv_transfer_params` in particular is never read: only the router's own
+records decide what is pulled from where. A client-supplied `chat_template` is refused.
 """
 
 import json
+import re
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.conversations import RenderMode
 from app.protocol import SamplingSettings
 from app.routing import RoutingPolicy
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
+               "response_format", "chat_template", "best_of", "echo", "suffix", "presence_penalty",
+               "frequency_penalty", "repetition_penalty", "audio", "modalities", "prediction", "n")
+"""Fields that would change the reply if honoured: refused unless absent or at a no-op value."""
+NO_OP = (None, False, "", [], {})
+NO_OP_BY_FIELD = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
+                  "repetition_penalty": (1,), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
+
+
+def unsupported_fields(body: dict[str, Any]) -> list[str]:
+    return [name for name in UNSUPPORTED
+            if name in body and body[name] not in NO_OP + NO_OP_BY_FIELD.get(name, ())]
 
 
 class ChatMessage(BaseModel):
@@ -30,6 +45,15 @@ class ChatMessage(BaseModel):
             raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
         return role
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content):
+        kinds = {part.get("type") for part in content} - {"text"} if isinstance(content, list) else set()
+        if kinds:
+            raise ValueError(f"content parts of type {', '.join(sorted(map(str, kinds)))} are not supported "
+                             "(this model reads text only)")
+        return content
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
@@ -42,6 +66,15 @@ class StreamOptions(BaseModel):
 
 class StructuredOutputs(BaseModel):
     regex: str
+
+    @field_validator("regex")
+    @classmethod
+    def _compiles(cls, regex: str) -> str:
+        try:
+            re.compile(regex)
+        except re.error as exc:
+            raise ValueError(f"invalid regex: {exc}") from None
+        return regex
 
 
 class GenerationRequest(BaseModel):
@@ -68,6 +101,13 @@ class GenerationRequest(BaseModel):
     prefill_on_decode: bool | None = None
     """This project's extension: false sends this request's prompt through prefill even when it is a
     short append to a conversation a decode replica retains."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, body: Any) -> Any:
+        if isinstance(body, dict) and (names := unsupported_fields(body)):
+            raise ValueError(f"not supported by this server: {', '.join(names)}")
+        return body
 
     def sampling(self, default_max_tokens: int) -> SamplingSettings:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

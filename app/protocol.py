@@ -4,6 +4,8 @@ router ──PrefillRequest──▶ prefill ──PrefillResult(KVHandoff, firs
 router ──DecodeRequest(KVHandoff)──▶ decode ──ReplyChunk…, last one with RetainedBlocks──▶ router
 router ──DecodeRequest(no handoff: a short append)──▶ decode ──ReplyChunk…──▶ router
 router ──RetainedBlocks / prefill hashes──▶ kv_index ──PrefixLookup──▶ router
+engine replicas ──ReplicaInfo (heartbeat)──▶ kv_index ──Membership──▶ router
+No live decode replica: router ──DecodeRequest(no handoff)──▶ prefill, which streams the whole turn.
 """
 
 import enum
@@ -36,6 +38,35 @@ class ReplicaInfo:
     block_size: int
     events_endpoint: str = ""
     """ZMQ address of the engine's KV cache event publisher ("" when events are off)."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The engine replicas whose heartbeats are current, by role."""
+
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+
+    def of(self, role: Role) -> tuple[str, ...]:
+        return self.prefill if role == Role.PREFILL else self.decode
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """One engine replica as it reports itself (fault tooling, tests, benchmarks)."""
+
+    replica_id: str
+    role: Role
+    alive: bool
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    """vLLM's own share of the KV pool in use, from its last step."""
+    pool_blocks: int
+    kept_blocks: int
+    """Blocks held for next turns (decode's retained sequences)."""
+    engine_pids: tuple[int, ...]
+    """The vLLM engine-core processes (what a SIGKILL fault kills)."""
 
 
 @dataclass(frozen=True)
@@ -133,18 +164,22 @@ class DecodeRequest:
     cache_salt: str
     sampling: SamplingSettings
     handoff: KVHandoff | None
-    """Prefill's blocks to read. None: decode computes the prompt itself (a short append to the
-    conversation it retains, whose blocks its prefix cache serves)."""
+    """Prefill's blocks to read. None: the engine computes the prompt itself (a short append to the
+    conversation it retains, whose blocks its prefix cache serves; or a turn moved off a dead engine)."""
     target_replica_id: str = ""
-    """Preferred decode replica: the one that held this conversation's previous turn (its prefix
-    cache still has those blocks, so it reads less from prefill); "" lets Serve balance."""
+    """The replica the router chose (the one retaining the conversation, else the least busy)."""
+    retain: bool = True
+    """Hold the finished sequence's blocks for the next turn's pull (False: free them at the end)."""
 
 
 class Action(str, enum.Enum):
     PULL = "pull"
     RECOMPUTE = "recompute"
     PREFILL_ON_DECODE = "prefill_on_decode"
-    """The whole turn runs on the decode replica that retains the conversation: no prefill hop."""
+    """The whole turn runs on a decode replica: the one that retains the conversation (no prefill
+    hop), or any live one when no prefill replica is."""
+    RUN_ON_PREFILL = "run_on_prefill"
+    """No decode replica is live: the whole turn runs on a prefill engine (a full vLLM engine)."""
 
 
 class Reason(str, enum.Enum):
@@ -159,6 +194,10 @@ class Reason(str, enum.Enum):
     SHORT_APPEND = "short_append"
     """Decode retains the conversation and few tokens are new (prefill on decode)."""
     DECODE_FAILED = "prefill_on_decode_failed"
+    ENGINE_FAILED = "engine_failed"
+    """The planned engine failed; another replica recomputes the turn."""
+    NO_PREFILL_ALIVE = "no_prefill_alive"
+    NO_DECODE_ALIVE = "no_decode_alive"
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 request messages ──match──▶ ConversationStore ──preserve: append / template: render──▶ prompt ids
 finished turn (prompt + generated ids, reply text) ──▶ ConversationStore (the next turn's record)
+The store here is the router replica's near copy; the KV index keeps the shared one, asked on a
+miss, so a restarted router or another replica keeps a conversation's append-only rendering.
 """
 
 import time
@@ -12,6 +14,7 @@ from app.chat import PromptRenderer
 from app.conversations import (
     ConversationRecord,
     ConversationStore,
+    HistoryMatch,
     RenderDiagnostics,
     RenderMode,
     diagnose,
@@ -19,6 +22,17 @@ from app.conversations import (
 )
 
 REASONING_END = "</think>"
+
+
+@dataclass(frozen=True)
+class HistoryQuery:
+    """Which recorded turn a request's messages continue: asked of the local store, then the index."""
+
+    chain: tuple[str, ...]
+    last_assistant: int
+    """Index of the last assistant message (-1: a first turn, nothing to look up)."""
+    session_key: str | None
+    tenant: str
 
 
 @dataclass(frozen=True)
@@ -41,22 +55,26 @@ class ChatSessions:
         self.renderer, self.block_size = renderer, block_size
         self.store = ConversationStore(ttl_s=ttl_s, max_records=max_records)
 
-    def render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any], tenant: str,
-               session_id: str | None, mode: RenderMode) -> RenderedTurn:
-        chain = message_chain(tenant, messages)
+    def query(self, messages: list[dict[str, Any]], tenant: str, session_id: str | None) -> HistoryQuery:
         last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-        session_key = f"{tenant}\x00{session_id}" if session_id else None
-        match = self.store.match(chain, last_assistant, session_key)
+        return HistoryQuery(tuple(message_chain(tenant, messages)), last_assistant,
+                            f"{tenant}\x00{session_id}" if session_id else None, tenant)
+
+    def match(self, query: HistoryQuery) -> HistoryMatch:
+        return self.store.match(list(query.chain), query.last_assistant, query.session_key)
+
+    def render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any], query: HistoryQuery,
+               match: HistoryMatch, mode: RenderMode) -> RenderedTurn:
         prompt_ids = None
         if mode == RenderMode.PRESERVE and match.exact:
-            prompt_ids = self.renderer.append(match.record, messages, last_assistant, template_kwargs)
+            prompt_ids = self.renderer.append(match.record, messages, query.last_assistant, template_kwargs)
         if prompt_ids is None:
             prompt_ids = self.renderer.chat(messages, template_kwargs)
-        diagnostics = diagnose(prompt_ids, match, mode, self.block_size, last_assistant + 1,
+        diagnostics = diagnose(prompt_ids, match, mode, self.block_size, query.last_assistant + 1,
                                match.record is not None and self._has_reasoning(match.record))
         first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), 0)
-        return RenderedTurn(prompt_ids, diagnostics, tuple(chain), tenant, session_key,
-                            affinity_key=session_key or chain[first_user],
+        return RenderedTurn(prompt_ids, diagnostics, query.chain, query.tenant, query.session_key,
+                            affinity_key=query.session_key or query.chain[first_user],
                             turn_index=sum(m["role"] == "user" for m in messages),
                             previous_replica=match.record.prefill_replica_id if match.record else "")
 
@@ -65,7 +83,8 @@ class ChatSessions:
         reply = self.renderer.tokenizer.decode(record.token_ids[record.num_prompt_tokens:])
         return REASONING_END in reply
 
-    def finish(self, turn: RenderedTurn, generated_ids: list[int], reply_text: str, prefill_replica_id: str) -> None:
+    def finish(self, turn: RenderedTurn, generated_ids: list[int], reply_text: str,
+               prefill_replica_id: str) -> ConversationRecord:
         """Record the finished turn, keyed by the messages a faithful client will replay next."""
         reply_key = message_chain(turn.chain[-1], [{"role": "assistant", "content": reply_text}])[0]
         record = ConversationRecord(token_ids=(*turn.prompt_ids, *generated_ids),
@@ -73,3 +92,4 @@ class ChatSessions:
                                     message_keys=(*turn.chain, reply_key), created_at=time.time(),
                                     prefill_replica_id=prefill_replica_id)
         self.store.put(record, turn.session_key)
+        return record

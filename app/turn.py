@@ -1,31 +1,35 @@
 """The turn loop: rendered prompt in, KV located, prefill run (pull or recompute), decode streamed,
-and what decode retained recorded for the next turn.
+and what the turn held released or recorded for the next turn.
 
-    plan:    hashes ──▶ kv_index.lookup ──▶ decide() ──▶ RoutingDecision
+    plan:    hashes ──▶ kv_index.lookup ──▶ decide() ──▶ RoutingDecision ──▶ kv_index.take (a pull owns
+             the sequence it reads)
     prefill: PrefillRequest(pull?) ──▶ prefill replica ──▶ PrefillResult   (pull failed: recompute)
              its first token goes to the client at once
     decode:  DecodeRequest(prompt + first token, handoff) ──▶ decode replica ──▶ ReplyChunk…
-             ──▶ kv_index.record_*
-    A short append to a conversation a decode replica retains skips prefill: DecodeRequest(prompt,
-    no handoff) goes to that replica, which computes the new tokens from its prefix cache.
+    close:   TurnLedger ──settle()──▶ releases, kv_index.record_*   (off the reply's path)
+A short append to a conversation a decode replica retains skips prefill: DecodeRequest(prompt,
+no handoff) goes to that replica, which computes the new tokens from its prefix cache.
+Degraded, never down: no live decode replica ──▶ the whole turn on a prefill engine; no live
+prefill replica ──▶ on a decode engine; an engine that dies mid-reply ──▶ the reply continues on
+another engine from the prompt plus the tokens already sent (greedy replies stay token-exact).
 """
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
-from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config import AppConfig
 from app.conversations import RenderDiagnostics
 from app.decision import PullPolicy, decide_prefill_on_decode
-from app.hashing import block_hashes
-from app.horizon import EvictionHorizon
+from app.hashing import block_hashes, common_prefix_len
+from app.journal import TurnJournal
 from app.kv_index import KVIndex
+from app.ledger import Release, Settlement, TurnLedger, TurnState, settle
+from app.membership import LiveEngines
 from app.metrics import TurnMetrics
 from app.protocol import (
     Action,
@@ -36,6 +40,7 @@ from app.protocol import (
     Reason,
     ReplyChunk,
     RetainedBlocks,
+    Role,
     RoutingDecision,
     SamplingSettings,
 )
@@ -44,6 +49,16 @@ from app.routing import CostWeights, PrefillChooser, RoutingPolicy
 logger = logging.getLogger("ray.serve")
 OWN_RETAINED_EXPIRY_S = 5.0
 """How often the router drops expired entries from its own record of retained sequences."""
+MAX_ATTEMPTS = 3
+"""Engines tried for one stage of a turn (the planned one, then others or the other group)."""
+
+
+class NoEngineAlive(RuntimeError):
+    """No engine of either group can take the turn: the router answers 503 with Retry-After."""
+
+
+class StageTimeout(TimeoutError):
+    """A stage of the turn did not answer within its configured timeout: the router answers 504."""
 
 
 @dataclass(frozen=True)
@@ -64,30 +79,65 @@ class Turn:
     """May a short append run whole on the decode replica that retains the conversation?"""
 
 
+class ReplyStream:
+    """One engine call's streamed chunks, counted as load on its replica until closed."""
+
+    def __init__(self, loop: "TurnLoop", role: Role, request: DecodeRequest) -> None:
+        self.role, self.request, self.replica_id = role, request, request.target_replica_id
+        self._streams = loop.engines.streams
+        self._streams[self.replica_id] += 1
+        self._chunks = loop.groups[role].options(stream=True).generate.remote(request)
+        self._open, self.finished = True, False
+
+    async def next(self, timeout_s: float, stage: str) -> ReplyChunk:
+        try:
+            chunk = await _timed(self._chunks.__anext__(), timeout_s, stage)
+        except StopAsyncIteration:
+            self.finished = True
+            raise
+        self.finished = chunk.finish_reason is not None
+        return chunk
+
+    def close(self) -> None:
+        """Idempotent; cancelling an unfinished call aborts its engine request, which frees its blocks."""
+        if self._open:
+            self._open = False
+            self._streams[self.replica_id] -= 1
+            if not self.finished and (cancel := getattr(self._chunks, "cancel", None)):
+                cancel()
+
+
 @dataclass(frozen=True)
 class PreparedTurn:
-    """A turn whose prompt KV sits in a prefill replica, ready for decode."""
+    """A turn whose prompt KV is computed: in a prefill replica (ready for decode), or in the engine
+    already streaming the reply."""
 
     turn: Turn
     decision: RoutingDecision
     prefill: PrefillResult
-    hashes: list[bytes]
+    ledger: TurnLedger
     log_entry: dict[str, Any]
     """This turn's decision-log entry; decode adds its first-token latency to it."""
     started_at: float
-    reply: AsyncIterator[ReplyChunk] | None = None
-    """The rest of the reply, already streaming, when decode computed the prompt itself."""
+    reply: ReplyStream | None = None
+    """The rest of the reply, already streaming, when the prompt was computed where it decodes."""
 
     @property
     def cached_tokens(self) -> int:
         return self.prefill.num_cached_tokens
 
 
+async def _timed(awaitable: Awaitable, timeout_s: float, stage: str):
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except asyncio.TimeoutError:
+        raise StageTimeout(f"{stage} did not answer within {timeout_s:g} s") from None
+
+
 class TurnLoop:
-    def __init__(self, config: AppConfig, index: Any, prefill: Any, decode: Any, metrics: TurnMetrics,
-                 decision_log_size: int = 1000) -> None:
-        self.config = config
-        self.index, self.prefill_group, self.decode_group = index, prefill, decode
+    def __init__(self, config: AppConfig, index: Any, prefill: Any, decode: Any, metrics: TurnMetrics) -> None:
+        self.config, self.limits = config, config.limits
+        self.index, self.groups = index, {Role.PREFILL: prefill, Role.DECODE: decode}
         self.metrics = metrics
         self.policy = PullPolicy(block_size=config.block_size, threshold_tokens=config.recompute_threshold_tokens,
                                  expiry_margin_s=config.expiry_margin_s, enabled=config.reverse_pull,
@@ -95,63 +145,315 @@ class TurnLoop:
                                  max_decode_prefill_tokens=config.max_decode_prefill_tokens)
         weights = CostWeights(config.cost_per_token, config.load_weight, config.transfer_cost_per_token)
         self.choosers = {p: PrefillChooser(p, self.policy, weights) for p in RoutingPolicy}
-        self.decisions: deque[dict[str, Any]] = deque(maxlen=decision_log_size)
-        self.horizon = EvictionHorizon()
-        self.horizons: dict[str, float] = {}
-        """Each prefill replica's latest eviction horizon estimate."""
-        self.queued_tokens: Counter[str] = Counter()
-        """Prefill tokens this router has sent to each replica and not seen finish: its load."""
+        self.journal = TurnJournal(config.block_size, metrics)
+        self.engines = LiveEngines(self.limits.suspect_replica_s)
         self.own_retained = KVIndex(config.block_size, hash_seed=config.prefix_hash_seed)
         """The retained sequences this router recorded in the index, as a near cache: a short append
         to one of them goes to decode without an index call. Stale entries cost speed, never
         correctness: decode's prefix cache checks every block by hash."""
         self._own_expired_at = 0.0
+        self._tasks: set[asyncio.Task] = set()
 
-    async def prepare(self, turn: Turn) -> PreparedTurn:
+    @property
+    def decisions(self):
+        return self.journal.decisions
+
+    # ---- the KV index: bounded calls, never fatal to a turn ----------------------------------------
+    async def ask_index(self, method: str, *args: Any) -> Any:
+        """The index's answer, or None when it is unreachable or slow (it is being restarted)."""
+        return await self._bookkeep(getattr(self.index, method).remote(*args), f"index.{method}")
+
+    async def _bookkeep(self, call: Awaitable, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(call, self.limits.bookkeeping_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping never decides whether the user gets a reply
+            logger.warning(json.dumps({"event": "bookkeeping_failed", "call": what,
+                                       "error": f"{type(exc).__name__}: {exc}"[:300]}))
+            self.metrics.record_bookkeeping_failure(what)
+            return None
+
+    async def follow_membership(self) -> None:
+        """Keep the live view of engines current (the index's heartbeats); runs for the router's life."""
+        while True:
+            await self.refresh_membership()
+            await asyncio.sleep(self.limits.heartbeat_interval_s)
+
+    async def refresh_membership(self) -> None:
+        if (members := await self.ask_index("membership")) is not None:
+            self.engines.update(members)
+
+    def spawn(self, coro: Awaitable, what: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(what)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        """Wait for the bookkeeping still running (tests; a router shutting down)."""
+        await asyncio.gather(*[t for t in self._tasks if t.get_name() != "membership"])
+
+    # ---- one turn ------------------------------------------------------------------------------------
+    async def prepare(self, turn: Turn, ledger: TurnLedger) -> PreparedTurn:
         hashes = block_hashes(list(turn.prompt_token_ids), self.config.block_size, turn.cache_salt,
                               self.config.prefix_hash_seed)
+        ledger.hashes = hashes
         started = time.perf_counter()
-        decision = await self._plan(turn, hashes)
+        decision = await self._plan(turn, hashes, ledger)
         planned = time.perf_counter()
-        result, reply, decision = await self._compute_prompt(turn, decision, hashes)
+        result, reply, decision = await self._compute_prompt(turn, decision, ledger)
         on_prefill = result.handoff is not None
         measured = {"plan_ms": round((planned - started) * 1e3, 2),
                     "prefill_ms": round((time.perf_counter() - planned) * 1e3, 2),
-                    "eviction_horizon_s": self._observe_load(result, time.time()) if on_prefill else None,
-                    "first_token_from": "prefill" if on_prefill and result.first_chunk else "decode"}
-        entry = self._log(turn, decision, result, measured)
-        return PreparedTurn(turn=turn, decision=decision, prefill=result, hashes=hashes, log_entry=entry,
+                    "eviction_horizon_s": self.journal.observe_load(result, time.time()) if on_prefill else None,
+                    "first_token_from": "prefill" if (on_prefill and result.first_chunk)
+                    or decision.action == Action.RUN_ON_PREFILL else "decode"}
+        entry = self.journal.log(turn, decision, result, measured)
+        return PreparedTurn(turn=turn, decision=decision, prefill=result, ledger=ledger, log_entry=entry,
                             started_at=started, reply=reply)
 
-    async def decode(self, prepared: PreparedTurn) -> AsyncIterator[ReplyChunk]:
-        first = prepared.prefill.first_chunk
+    async def reply(self, prepared: PreparedTurn) -> AsyncIterator[ReplyChunk]:
+        """The reply's chunks; an engine that fails mid-reply hands it to another one."""
+        ledger, first = prepared.ledger, prepared.prefill.first_chunk
         if first is not None:
             self._first_token_sent(prepared)
+            ledger.advance(TurnState.DECODING)
             yield first
             if first.finish_reason is not None:
-                await self._record(prepared, first.retained)
+                self._finish(ledger, first.retained)
                 return
-        reply = prepared.reply or self.decode_group.options(stream=True).decode.remote(self._decode_request(prepared))
-        started, waiting = time.perf_counter(), prepared.reply is None
-        async for chunk in reply:
-            if waiting and chunk.token_ids:
-                prepared.log_entry["decode_first_token_ms"] = round((time.perf_counter() - started) * 1e3, 2)
-                if first is None:
-                    self._first_token_sent(prepared)
-                waiting = False
-            if chunk.retained is not None:
-                await self._record(prepared, chunk.retained)
-            yield chunk
+        stream = ledger.open_stream = prepared.reply or self._continue(self._decode_request(prepared))
+        waiting, started, sent = prepared.reply is None, time.perf_counter(), []
+        for _ in range(MAX_ATTEMPTS):
+            try:
+                async for chunk in self._chunks(stream, "first decode chunk" if waiting else "reply stream"):
+                    if waiting and chunk.token_ids:
+                        prepared.log_entry["decode_first_token_ms"] = round((time.perf_counter() - started) * 1e3, 2)
+                        ledger.handoff_read = True
+                        if first is None:
+                            self._first_token_sent(prepared)
+                        waiting = False
+                    sent.extend(chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        self._finish(ledger, chunk.retained)
+                    yield chunk
+                return
+            except (StageTimeout, NoEngineAlive):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the engine died mid-reply: continue it elsewhere
+                if prepared.turn.sampling.regex:  # a grammar's state cannot move to another engine
+                    raise
+                self._failed(stream.replica_id, "reply", prepared.turn.request_id, exc)
+                rest = _migrated(stream.request, sent)
+                if rest is None:  # it failed after the last token, before saying so
+                    self._finish(ledger, None)
+                    yield ReplyChunk(token_ids=(), text="", finish_reason="length")
+                    return
+                stream, sent = self._continue(rest), []
+                ledger.open_stream = stream
+        raise NoEngineAlive("the reply failed on every engine tried")
 
+    async def _chunks(self, stream: ReplyStream, stage: str) -> AsyncIterator[ReplyChunk]:
+        timeout = self.limits.first_chunk_timeout_s
+        try:
+            while True:
+                try:
+                    chunk = await stream.next(timeout, stage)
+                except StopAsyncIteration:
+                    return
+                timeout, stage = self.limits.stream_idle_timeout_s, "reply stream"
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            stream.close()
+
+    def close(self, turn: Turn, ledger: TurnLedger) -> None:
+        """The one way out of a turn, from the router's `finally` (before the client sees the end of
+        the reply): settle what the ledger holds. The near cache learns the retained sequence at
+        once and the index calls leave now, so the client's next turn finds them; a failed release
+        or record is logged and counted, never the user's error."""
+        ledger.advance(TurnState.ABORTED)
+        if ledger.open_stream is not None:
+            ledger.open_stream.close()
+        settlement = settle(ledger, turn.reverse_pull)
+        if settlement.record_retained is not None:
+            self._remember(turn.cache_salt, settlement.record_retained)
+        self.spawn(self._apply(turn, ledger, settlement), "settle")
+
+    async def _apply(self, turn: Turn, ledger: TurnLedger, settlement: Settlement) -> None:
+        if settlement.record_retained is not None:
+            await self.ask_index("record_retained", turn.cache_salt, settlement.record_retained)
+        if settlement.record_prefill:
+            await self.ask_index("record_prefill", ledger.prefill_replica_id, ledger.hashes)
+        for release in settlement.releases:
+            await self._release(release)
+
+    async def _release(self, release: Release) -> None:
+        if release.confirm_key is not None and await self.ask_index("take", release.confirm_key) is None:
+            return  # another turn owns it (it may be pulling it right now)
+        sender = Role.PREFILL if release.owner == Role.DECODE else Role.DECODE
+        if not self.engines.live(sender):  # nobody to send the notification: the owner's TTL frees it
+            self.metrics.record_bookkeeping_failure("release.no_sender")
+            return
+        await self._bookkeep(self.groups[sender].release.remote(release.handoff), "release")
+
+    # ---- planning ------------------------------------------------------------------------------------
+    async def _plan(self, turn: Turn, hashes: list[bytes], ledger: TurnLedger) -> RoutingDecision:
+        prefill_live, decode_live = self.engines.live(Role.PREFILL), self.engines.live(Role.DECODE)
+        if not prefill_live or not decode_live:  # engines may have just started: ask before degrading
+            await self.refresh_membership()
+            prefill_live, decode_live = self.engines.live(Role.PREFILL), self.engines.live(Role.DECODE)
+        if not prefill_live and not decode_live:
+            raise NoEngineAlive("no engine is ready; retry shortly")
+        policy = self.policy if turn.reverse_pull else replace(self.policy, enabled=False)
+        near = self._on_decode(turn, self.own_retained.lookup(hashes), policy, decode_live)
+        if near is not None:
+            self._claim(ledger, near.retained, confirmed=False)
+            return near
+        lookup = _live_only(await self.ask_index("lookup", hashes) or PrefixLookup(), prefill_live, decode_live)
+        decision = self._on_decode(turn, lookup, policy, decode_live) or self._choose(turn, lookup, policy)
+        retained = decision.retained
+        if retained is None:
+            return decision
+        if decision.action in (Action.PULL, Action.PREFILL_ON_DECODE):
+            if await self.ask_index("take", (retained.replica_id, retained.handoff.request_id)) is None:
+                # Another turn took it first (a branch of the same history): this one recomputes.
+                return self._choose(turn, replace(lookup, retained=None), policy)
+            self._claim(ledger, retained, confirmed=True)
+        elif common_prefix_len(list(turn.prompt_token_ids), list(retained.token_ids)) == len(retained.token_ids):
+            self._claim(ledger, retained, confirmed=False)  # this turn supersedes it: release it at the end
+        return decision
+
+    def _on_decode(self, turn: Turn, lookup: PrefixLookup, policy: PullPolicy,
+                   decode_live: list[str]) -> RoutingDecision | None:
+        retained = lookup.retained.retained if lookup.retained else None
+        if not turn.prefill_on_decode or retained is None or retained.replica_id not in decode_live:
+            return None
+        return decide_prefill_on_decode(list(turn.prompt_token_ids), lookup, policy, time.time())
+
+    def _choose(self, turn: Turn, lookup: PrefixLookup, policy: PullPolicy) -> RoutingDecision:
+        if not lookup.prefill_cached_tokens:
+            return self._degraded(Reason.NO_PREFILL_ALIVE)
+        decision = self.choosers[turn.routing_policy].choose(
+            list(turn.prompt_token_ids), lookup, self.journal.queued_tokens, turn.affinity_key, time.time(),
+            policy, self.journal.horizons)
+        if not self.engines.live(Role.DECODE):
+            return replace(decision, action=Action.RUN_ON_PREFILL, reason=Reason.NO_DECODE_ALIVE, pull=None)
+        return decision
+
+    def _degraded(self, reason: Reason, prefill_replica_id: str = "") -> RoutingDecision:
+        """The whole turn on one engine: a prefill one when no decode replica is live, else a decode one."""
+        action = Action.RUN_ON_PREFILL if prefill_replica_id else Action.PREFILL_ON_DECODE
+        return RoutingDecision(prefill_replica_id=prefill_replica_id, action=action, reason=reason,
+                               tokens_local=0, tokens_pullable=0, threshold=self.policy.threshold_tokens)
+
+    def _claim(self, ledger: TurnLedger, retained: RetainedBlocks, confirmed: bool) -> None:
+        ledger.claimed, ledger.claim_confirmed = retained, confirmed
+        self.own_retained.forget_retained((retained.replica_id, retained.handoff.request_id))
+
+    # ---- computing the prompt ------------------------------------------------------------------------
+    async def _compute_prompt(self, turn: Turn, decision: RoutingDecision, ledger: TurnLedger
+                              ) -> tuple[PrefillResult, ReplyStream | None, RoutingDecision]:
+        for attempt in range(MAX_ATTEMPTS):
+            suffix = str(attempt + 1) if attempt else ""
+            try:
+                if decision.action in (Action.PREFILL_ON_DECODE, Action.RUN_ON_PREFILL):
+                    return *await self._start_whole_turn(turn, decision, ledger, suffix), decision
+                return await self._prefill(turn, decision, ledger, suffix), None, decision
+            except (StageTimeout, NoEngineAlive):
+                raise
+            except Exception as exc:  # noqa: BLE001 - another engine, or the other group, can take the turn
+                if decision.action == Action.PULL:  # recompute on the same replica, pulling nothing
+                    self._failed("", "kv_pull", turn.request_id, exc)
+                    decision = replace(decision, action=Action.RECOMPUTE, reason=Reason.PULL_FAILED, pull=None)
+                    continue
+                failed = decision.prefill_replica_id or (decision.retained.replica_id if decision.retained else "")
+                self._failed(failed, decision.action.value, turn.request_id, exc)
+                decision = self._fallback(decision)
+        raise NoEngineAlive("the turn failed on every engine tried")
+
+    def _fallback(self, failed: RoutingDecision) -> RoutingDecision:
+        """After an engine failed: recompute through another prefill replica, else the whole turn on decode."""
+        target = self.engines.pick(Role.PREFILL)
+        if target is None:
+            if not self.engines.live(Role.DECODE):
+                raise NoEngineAlive("no engine is ready; retry shortly")
+            return self._degraded(Reason.NO_PREFILL_ALIVE)
+        if not self.engines.live(Role.DECODE):
+            return self._degraded(Reason.NO_DECODE_ALIVE, target)
+        reason = Reason.DECODE_FAILED if failed.action == Action.PREFILL_ON_DECODE else Reason.ENGINE_FAILED
+        return replace(self._degraded(reason, target), action=Action.RECOMPUTE)
+
+    async def _prefill(self, turn: Turn, decision: RoutingDecision, ledger: TurnLedger, suffix: str) -> PrefillResult:
+        request = PrefillRequest(request_id=f"{turn.request_id}-p{suffix}",
+                                 prompt_token_ids=turn.prompt_token_ids, cache_salt=turn.cache_salt,
+                                 target_replica_id=decision.prefill_replica_id, pull=decision.pull,
+                                 first_token=self._first_token_settings(turn))
+        load = len(turn.prompt_token_ids) - decision.tokens_local
+        self.journal.queued_tokens[decision.prefill_replica_id] += load
+        try:
+            result = await _timed(self.groups[Role.PREFILL].prefill.remote(request), self.limits.prefill_timeout_s,
+                                  "prefill")
+        finally:
+            self.journal.queued_tokens[decision.prefill_replica_id] -= load
+        ledger.pulled = decision.action == Action.PULL
+        ledger.handoff, ledger.prefill_replica_id = result.handoff, result.replica_id
+        ledger.advance(TurnState.PREFILLED)
+        return result
+
+    async def _start_whole_turn(self, turn: Turn, decision: RoutingDecision, ledger: TurnLedger, suffix: str
+                                ) -> tuple[PrefillResult, ReplyStream]:
+        """Start the whole turn on one engine (the decode replica retaining the conversation, or the
+        engine a degraded mode names), up to its first chunk."""
+        on_decode = decision.action == Action.PREFILL_ON_DECODE
+        role = Role.DECODE if on_decode else Role.PREFILL
+        preferred = decision.retained.replica_id if on_decode and decision.retained else decision.prefill_replica_id
+        target = self.engines.pick(role, preferred)
+        if target is None:
+            raise RuntimeError(f"no live {role.value} replica")
+        request = DecodeRequest(request_id=f"{turn.request_id}-{role.value[0]}{suffix}",
+                                prompt_token_ids=turn.prompt_token_ids, cache_salt=turn.cache_salt,
+                                sampling=turn.sampling, handoff=None, target_replica_id=target, retain=on_decode)
+        stream = ledger.open_stream = ReplyStream(self, role, request)
+        try:
+            first = await stream.next(self.limits.first_chunk_timeout_s, "first chunk")
+        except BaseException:
+            stream.close()
+            raise
+        ledger.advance(TurnState.DECODING)
+        result = PrefillResult(replica_id=target, handoff=None, num_prompt_tokens=len(turn.prompt_token_ids),
+                               num_cached_tokens=first.num_cached_tokens or 0, first_chunk=first)
+        return result, stream
+
+    # ---- decoding ------------------------------------------------------------------------------------
     def _decode_request(self, prepared: PreparedTurn) -> DecodeRequest:
-        turn, first = prepared.turn, prepared.prefill.first_chunk
+        turn, first, retained = prepared.turn, prepared.prefill.first_chunk, prepared.decision.retained
         prompt, sampling = turn.prompt_token_ids, turn.sampling
         if first is not None:  # decode continues after the token prefill sent
             prompt, sampling = prompt + first.token_ids, replace(sampling, max_tokens=sampling.max_tokens - 1)
-        return DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=prompt,
-                             cache_salt=turn.cache_salt, sampling=sampling, handoff=prepared.prefill.handoff,
-                             target_replica_id=prepared.decision.retained.replica_id
-                             if prepared.decision.retained else "")
+        return DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=prompt, cache_salt=turn.cache_salt,
+                             sampling=sampling, handoff=prepared.prefill.handoff,
+                             target_replica_id=retained.replica_id if retained else "")
+
+    def _continue(self, request: DecodeRequest) -> ReplyStream:
+        """Stream `request` on a live decode replica (its preferred one if live), else compute it
+        whole on a prefill replica."""
+        if target := self.engines.pick(Role.DECODE, request.target_replica_id):
+            return ReplyStream(self, Role.DECODE, replace(request, target_replica_id=target))
+        if target := self.engines.pick(Role.PREFILL):
+            return ReplyStream(self, Role.PREFILL, replace(request, target_replica_id=target, handoff=None,
+                                                           retain=False))
+        raise NoEngineAlive("no engine is ready; retry shortly")
+
+    def _failed(self, replica_id: str, stage: str, request_id: str, exc: BaseException) -> None:
+        self.engines.suspect(replica_id)
+        self.metrics.record_engine_failure(stage)
+        logger.warning(json.dumps({"event": "engine_call_failed", "stage": stage, "replica": replica_id,
+                                   "request_id": request_id, "error": f"{type(exc).__name__}: {exc}"[:500]}))
+
+    def _finish(self, ledger: TurnLedger, retained: RetainedBlocks | None) -> None:
+        ledger.retained = retained
+        ledger.advance(TurnState.RECORDED)
 
     def _first_token_sent(self, prepared: PreparedTurn) -> None:
         elapsed = time.perf_counter() - prepared.started_at
@@ -166,93 +468,6 @@ class TurnLoop:
             return None
         return settings
 
-    async def _plan(self, turn: Turn, hashes: list[bytes]) -> RoutingDecision:
-        policy = self.policy if turn.reverse_pull else replace(self.policy, enabled=False)
-        if on_decode := self._prefill_on_decode_decision(turn, self.own_retained.lookup(hashes), policy):
-            return on_decode
-        lookup = await self.index.lookup.remote(hashes)
-        if on_decode := self._prefill_on_decode_decision(turn, lookup, policy):
-            return on_decode
-        return self.choosers[turn.routing_policy].choose(list(turn.prompt_token_ids), lookup, self.queued_tokens,
-                                                         turn.affinity_key, time.time(), policy, self.horizons)
-
-    @staticmethod
-    def _prefill_on_decode_decision(turn: Turn, lookup: PrefixLookup, policy: PullPolicy) -> RoutingDecision | None:
-        if not turn.prefill_on_decode:
-            return None
-        return decide_prefill_on_decode(list(turn.prompt_token_ids), lookup, policy, time.time())
-
-    async def _compute_prompt(self, turn: Turn, decision: RoutingDecision, hashes: list[bytes]
-                              ) -> tuple[PrefillResult, AsyncIterator[ReplyChunk] | None, RoutingDecision]:
-        """The prompt's KV, on the retaining decode replica (whose reply is then streaming) or on prefill."""
-        if decision.action == Action.PREFILL_ON_DECODE:
-            if started := await self._prefill_on_decode(turn, decision):
-                return *started, decision
-            # Recompute through prefill, and pull nothing from that replica.
-            decision = replace(await self._plan(replace(turn, reverse_pull=False), hashes), reason=Reason.DECODE_FAILED)
-        result, decision = await self._prefill(turn, decision)
-        return result, None, decision
-
-    async def _prefill_on_decode(self, turn: Turn, decision: RoutingDecision
-                                 ) -> tuple[PrefillResult, AsyncIterator[ReplyChunk]] | None:
-        """Start the whole turn on the decode replica that retains the conversation, up to its
-        first chunk; None if that failed."""
-        retained = decision.retained
-        self._forget(retained)
-        request = DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=turn.prompt_token_ids,
-                                cache_salt=turn.cache_salt, sampling=turn.sampling, handoff=None,
-                                target_replica_id=retained.replica_id)
-        reply = self.decode_group.options(stream=True).decode.remote(request)
-        try:
-            first = await reply.__anext__()
-        except Exception as exc:  # noqa: BLE001 - the turn can still run through prefill
-            logger.warning(json.dumps({"event": "prefill_on_decode_failed", "request_id": turn.request_id,
-                                       "error": f"{type(exc).__name__}: {exc}"[:500]}))
-            return None
-        result = PrefillResult(replica_id=retained.replica_id, handoff=None,
-                               num_prompt_tokens=len(turn.prompt_token_ids),
-                               num_cached_tokens=first.num_cached_tokens or 0, first_chunk=first)
-        return result, reply
-
-    async def _prefill(self, turn: Turn, decision: RoutingDecision) -> tuple[PrefillResult, RoutingDecision]:
-        request = PrefillRequest(request_id=f"{turn.request_id}-p", prompt_token_ids=turn.prompt_token_ids,
-                                 cache_salt=turn.cache_salt, target_replica_id=decision.prefill_replica_id,
-                                 pull=decision.pull, first_token=self._first_token_settings(turn))
-        if decision.retained is not None and decision.action == Action.PULL:
-            self._forget(decision.retained)
-        load = len(turn.prompt_token_ids) - decision.tokens_local
-        self.queued_tokens[decision.prefill_replica_id] += load
-        try:
-            return await self.prefill_group.prefill.remote(request), decision
-        except Exception as exc:  # noqa: BLE001 - any failed pull falls back to recomputing
-            if decision.action != Action.PULL:
-                raise
-            logger.warning(json.dumps({"event": "kv_pull_failed", "request_id": turn.request_id,
-                                       "error": f"{type(exc).__name__}: {exc}"[:500]}))
-            fallback = replace(decision, action=Action.RECOMPUTE, reason=Reason.PULL_FAILED, pull=None)
-            retry = replace(request, request_id=f"{turn.request_id}-p2", pull=None)
-            return await self.prefill_group.prefill.remote(retry), fallback
-        finally:
-            self.queued_tokens[decision.prefill_replica_id] -= load
-
-    async def _record(self, prepared: PreparedTurn, retained: RetainedBlocks | None) -> None:
-        """Prefill's hashes to the index, with what decode retained for the next turn's pull; blocks
-        nobody will read are freed now, not at TTL. `retained` None after prefill: the turn ended
-        with prefill's token, so decode never reads the blocks prefill kept for it."""
-        handoff = prepared.prefill.handoff
-        if handoff is None:  # prefilled on decode: the new sequence supersedes the one it extended
-            calls = [self.prefill_group.release.remote(prepared.decision.retained.handoff)]
-        else:
-            calls = [self.index.record_prefill.remote(prepared.prefill.replica_id, prepared.hashes)]
-        if retained is None:
-            calls += [self.decode_group.release.remote(handoff)] if handoff is not None else []
-        elif prepared.turn.reverse_pull:
-            self._remember(prepared.turn.cache_salt, retained)
-            calls.append(self.index.record_retained.remote(prepared.turn.cache_salt, retained))
-        else:  # without reverse pulls nothing will read decode's blocks
-            calls.append(self.prefill_group.release.remote(retained.handoff))
-        await asyncio.gather(*calls)
-
     def _remember(self, salt: str, retained: RetainedBlocks) -> None:
         now = time.time()
         if now - self._own_expired_at > OWN_RETAINED_EXPIRY_S:  # lookups skip expired ones meanwhile
@@ -260,51 +475,21 @@ class TurnLoop:
             self._own_expired_at = now
         self.own_retained.record_retained(salt, retained)
 
-    def _forget(self, retained: RetainedBlocks) -> None:
-        """A retained sequence serves one turn: a pull frees its blocks, a turn on decode extends it.
-        Not awaited: the index applies it in order, and this turn need not wait."""
-        key = (retained.replica_id, retained.handoff.request_id)
-        self.own_retained.forget_retained(key)
-        self.index.forget_retained.remote(key)
 
-    def _log(self, turn: Turn, decision: RoutingDecision, result: PrefillResult,
-             measured: dict[str, float | None]) -> dict[str, Any]:
-        pulled = decision.pulled_tokens
-        entry = {"event": "kv_decision", "request_id": turn.request_id, "time": time.time(),
-                 "prompt_tokens": len(turn.prompt_token_ids), "cached_tokens": result.num_cached_tokens,
-                 "pulled_tokens": pulled, "prefill_replica": result.replica_id,
-                 # Not asdict: it would deep-copy the retained sequence's token ids on the hot path.
-                 **{f.name: getattr(decision, f.name) for f in dataclasses.fields(decision)
-                    if f.name not in ("pull", "retained")},
-                 "action": decision.action.value, "reason": decision.reason.value,
-                 "pull_source": decision.pull.source.engine_id if decision.pull else None,
-                 "policy": turn.routing_policy.value, **measured,
-                 "rendering": _rendering_log(turn.rendering)}
-        self.metrics.record_turn(decision, len(turn.prompt_token_ids), result.num_cached_tokens, pulled)
-        if turn.rendering is not None:
-            self.metrics.record_rendering(turn.rendering)
-        if turn.rendering is not None and turn.rendering.previous_tokens:
-            reusable_tokens = turn.rendering.reusable_blocks * self.config.block_size
-            entry["later_turn_hit"] = result.num_cached_tokens >= reusable_tokens
-            entry["same_replica"] = result.replica_id == turn.previous_replica
-            self.metrics.record_later_turn(turn.routing_policy.value, entry["later_turn_hit"], entry["same_replica"])
-        self.decisions.append(entry)
-        logger.info(json.dumps(entry))
-        return entry
-
-    def _observe_load(self, result: PrefillResult, now: float) -> float | None:
-        replica = result.replica_id
-        self.horizon.observe(replica, result.num_prompt_tokens - result.num_cached_tokens, now)
-        estimate = self.horizon.estimate_s(replica, result.pool_tokens, self.queued_tokens[replica], now)
-        if estimate is None:  # nothing computed lately: nothing is being evicted
-            self.horizons.pop(replica, None)
-        else:
-            self.horizons[replica] = estimate
-            self.metrics.record_horizon(replica, estimate)
-        return estimate
+def _live_only(lookup: PrefixLookup, prefill_live: list[str], decode_live: list[str]) -> PrefixLookup:
+    """The lookup restricted to live engines (every live prefill replica is a candidate)."""
+    cached = {r: lookup.prefill_cached_tokens.get(r, 0) for r in prefill_live}
+    retained = lookup.retained if lookup.retained and lookup.retained.retained.replica_id in decode_live else None
+    return PrefixLookup(prefill_cached_tokens=cached, retained=retained)
 
 
-def _rendering_log(rendering: RenderDiagnostics | None) -> dict[str, Any] | None:
-    if rendering is None:
+def _migrated(request: DecodeRequest, sent: list[int]) -> DecodeRequest | None:
+    """The rest of a reply whose engine failed after sending `sent`: the prompt plus those tokens,
+    computed afresh (greedy decoding then gives the tokens the failed engine would have); None
+    when nothing is left to generate."""
+    remaining = request.sampling.max_tokens - len(sent)
+    if remaining <= 0:
         return None
-    return {**dataclasses.asdict(rendering), "mode": rendering.mode.value, "cause": rendering.cause.value}
+    return replace(request, request_id=f"{request.request_id}-m", handoff=None,
+                   prompt_token_ids=request.prompt_token_ids + tuple(sent),
+                   sampling=replace(request.sampling, max_tokens=remaining))

@@ -1,48 +1,66 @@
 """Decode group: reads prefill's KV over NIXL (or, for a short append, computes the prompt itself
 from its prefix cache), streams tokens, and ends with the block metadata of the sequence it keeps
-for the next turn. router ──DecodeRequest──▶ here ──ReplyChunk…──▶ router.
+for the next turn. router ──DecodeRequest──▶ generate() ──ReplyChunk…──▶ router.
+
+Kept sequences are a cache, not a reservation: past `limits.retained_pool_share` of the pool, or
+while requests wait for blocks, the oldest are taken out of the index and released.
 """
 
-from collections.abc import AsyncIterator
+import asyncio
+import logging
+import time
+from collections import OrderedDict
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from app.engine import from_vllm_params, hold_params, to_vllm_params
-from app.protocol import DecodeRequest, ReplyChunk, RetainedBlocks, Role
+from app.protocol import RetainedBlocks, Role
 from deployments.engine_replica import EngineReplica
 from deployments.targeted_router import TargetedRequestRouter
 
-
-class DecodeFailed(RuntimeError):
-    pass
+logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment(request_router_config=RequestRouterConfig(request_router_class=TargetedRequestRouter))
 class DecodeServer(EngineReplica):
     role = Role.DECODE
 
-    async def decode(self, request: DecodeRequest) -> AsyncIterator[ReplyChunk]:
-        computes_prompt = request.handoff is None
-        params = hold_params() if computes_prompt else to_vllm_params(request.handoff, Role.DECODE)
-        generated: list[int] = []
-        stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.cache_salt,
-                                      request.sampling, params)
-        async for output in stream:
-            completion = output.outputs[0]
-            if completion.finish_reason == "error":
-                raise DecodeFailed(f"decode of {request.request_id} failed in the engine")
-            generated.extend(completion.token_ids)
-            retained = self._retained(request, generated, output.kv_transfer_params) if output.finished else None
-            yield ReplyChunk(token_ids=tuple(completion.token_ids), text=completion.text,
-                             finish_reason=completion.finish_reason, retained=retained,
-                             num_cached_tokens=output.num_cached_tokens if computes_prompt else None)
+    async def __init__(self, config, index, prefill) -> None:
+        await super().__init__(config, index)
+        self.prefill = prefill.options(_by_reference=False)
+        self.kept: OrderedDict[str, RetainedBlocks] = OrderedDict()
+        """What this engine holds for next turns, oldest first (by engine request id)."""
+        self._trim = asyncio.get_event_loop().create_task(self._trim_forever())
 
-    def _retained(self, request: DecodeRequest, generated: list[int], params) -> RetainedBlocks | None:
-        if not params or not params.get("remote_block_ids"):
-            return None
-        handoff = from_vllm_params(params, self.config.retention_ttl_s if request.handoff is None else None)
-        sequence = (*request.prompt_token_ids, *generated)
-        return RetainedBlocks(replica_id=self.replica_id, handoff=handoff,
-                              token_ids=sequence[:handoff.num_tokens],
-                              num_prompt_tokens=len(request.prompt_token_ids))
+    def on_retained(self, retained: RetainedBlocks) -> None:
+        self.kept[retained.handoff.request_id] = retained
+
+    def kept_blocks(self, now: float) -> int:
+        for request_id in [r for r, k in self.kept.items() if k.handoff.expiry_time <= now]:
+            del self.kept[request_id]  # vLLM freed them at its TTL
+        return sum(len(k.handoff.block_ids[0]) for k in self.kept.values())
+
+    async def _trim_forever(self) -> None:
+        while not self.engine.llm.errored:
+            await asyncio.sleep(self.config.limits.retained_trim_interval_s)
+            try:
+                await self._trim()
+            except Exception:  # noqa: BLE001 - trimming is an optimisation; the TTL still frees blocks
+                logger.exception("trimming retained sequences failed")
+
+    async def _trim(self) -> None:
+        load, pool = self.engine.load, self.engine.pool_blocks
+        budget = int(pool * self.config.limits.retained_pool_share)
+        over = self.kept_blocks(time.time()) - budget
+        for request_id in list(self.kept):
+            if over <= 0 and load.num_waiting_reqs == 0:
+                return
+            retained = self.kept.pop(request_id)
+            timeout = self.config.limits.bookkeeping_timeout_s
+            if await asyncio.wait_for(self.index.take.remote((self.replica_id, request_id)), timeout) is None:
+                continue  # a turn owns it now (it may be pulling it): not ours to release
+            await asyncio.wait_for(self.prefill.release.remote(retained.handoff), timeout)
+            over -= len(retained.handoff.block_ids[0])
+            logger.info("released retained sequence %s under pool pressure", request_id)
+            if load.num_waiting_reqs:
+                return  # one per tick while requests wait; the next tick sees the freed blocks

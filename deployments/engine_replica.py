@@ -1,23 +1,39 @@
-"""What prefill and decode replicas share: build the model if needed, start the engine, register.
+"""What prefill and decode replicas share: build the model if needed, start the engine, keep the
+KV index told that it lives (a heartbeat), stream whole turns, and report a dead engine at once.
 
-config ──▶ Engine(role, rank) ──ReplicaInfo──▶ kv_index
+config ──▶ Engine(role, rank) ──ReplicaInfo every heartbeat──▶ kv_index
+router ──DecodeRequest──▶ generate() ──ReplyChunk…, the last with RetainedBlocks──▶ router
 """
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
 
 import ray
 from ray import serve
 
+from app import kv_events
 from app.config import TINY_MODEL, AppConfig
-from app.engine import Engine
+from app.engine import Engine, from_vllm_params, hold_params, to_vllm_params
 from app.model.tiny import ensure_tiny_model
-from app.protocol import KVHandoff, ReplicaInfo, Role
+from app.protocol import DecodeRequest, EngineStatus, KVHandoff, ReplicaInfo, ReplyChunk, RetainedBlocks, Role
+from app.versions import check_supported
+
+logger = logging.getLogger("ray.serve")
+
+
+class GenerationFailed(RuntimeError):
+    pass
 
 
 class EngineReplica:
-    """Base of the prefill and decode deployments: one engine, known to the KV index."""
+    """Base of the prefill and decode deployments: one engine, known to the KV index while it lives."""
 
     role: Role
 
     async def __init__(self, config: AppConfig, index) -> None:
+        check_supported()  # the private vLLM/NIXL/Ray hooks this app relies on, before anything starts
         if config.model == TINY_MODEL:
             ensure_tiny_model(config.model_path())
         context = serve.get_replica_context()
@@ -25,10 +41,62 @@ class EngineReplica:
         self.config, self.index = config, index
         self.engine = Engine(config, self.role, context.rank.rank, ray.util.get_node_ip_address())
         group = config.prefill if self.role == Role.PREFILL else config.decode
-        await index.register.remote(ReplicaInfo(
-            replica_id=self.replica_id, role=self.role, endpoint=self.engine.endpoint,
-            prefix_caching=group.prefix_caching, block_size=config.block_size,
-            events_endpoint=self.engine.identity.events_endpoint if config.kv_events else ""))
+        self.info = ReplicaInfo(replica_id=self.replica_id, role=self.role, endpoint=self.engine.endpoint,
+                                prefix_caching=group.prefix_caching, block_size=config.block_size,
+                                events_endpoint=self.engine.identity.events_endpoint if config.kv_events else "")
+        loop = asyncio.get_event_loop()
+        if config.kv_events:
+            local, public = self.engine.identity.engine_events_endpoint, self.engine.identity.events_endpoint
+            self._events = loop.create_task(kv_events.forward(local, public))
+        await index.register.remote(self.info)
+        self._heartbeat = loop.create_task(self._heartbeat_forever())
+
+    async def _heartbeat_forever(self) -> None:
+        """Renew the registration while the engine lives; a dead engine falls out of the index within
+        its registration TTL (and the router routes around it sooner, from the failed call)."""
+        limits = self.config.limits
+        while not self.engine.llm.errored:
+            try:
+                await asyncio.wait_for(self.index.register.remote(self.info), limits.bookkeeping_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the index is restarting: the next beat re-registers
+                logger.warning("heartbeat to the KV index failed: %s", type(exc).__name__)
+            await asyncio.sleep(limits.heartbeat_interval_s)
+        logger.error("engine of replica %s is dead: heartbeats stopped, health checks fail", self.replica_id)
+
+    async def generate(self, request: DecodeRequest) -> AsyncIterator[ReplyChunk]:
+        """Stream a reply: read prefill's handoff first, or compute the prompt here (its prefix cache
+        serves what it holds). Cancelling the call aborts the engine request and frees its blocks."""
+        computes_prompt = request.handoff is None
+        if computes_prompt:
+            params = hold_params() if request.retain else {}
+        else:
+            params = to_vllm_params(request.handoff, Role.DECODE)
+        generated: list[int] = []
+        stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.cache_salt,
+                                      request.sampling, params)
+        async for output in stream:
+            completion = output.outputs[0]
+            if completion.finish_reason == "error":
+                raise GenerationFailed(f"{request.request_id} failed in the engine")
+            generated.extend(completion.token_ids)
+            retained = self._retained(request, generated, output.kv_transfer_params) if output.finished else None
+            yield ReplyChunk(token_ids=tuple(completion.token_ids), text=completion.text,
+                             finish_reason=completion.finish_reason, retained=retained,
+                             num_cached_tokens=output.num_cached_tokens if computes_prompt else None)
+
+    def _retained(self, request: DecodeRequest, generated: list[int], params) -> RetainedBlocks | None:
+        if not params or not params.get("remote_block_ids"):
+            return None
+        handoff = from_vllm_params(params, self.config.retention_ttl_s if request.handoff is None else None)
+        sequence = (*request.prompt_token_ids, *generated)
+        retained = RetainedBlocks(replica_id=self.replica_id, handoff=handoff,
+                                  token_ids=sequence[:handoff.num_tokens],
+                                  num_prompt_tokens=len(request.prompt_token_ids))
+        self.on_retained(retained)
+        return retained
+
+    def on_retained(self, retained: RetainedBlocks) -> None:
+        """A finished sequence this engine now holds for the next turn (decode tracks them)."""
 
     async def release(self, handoff: KVHandoff) -> None:
         """Tell the engine that owns `handoff` (another replica) that nobody will read it."""
@@ -36,6 +104,17 @@ class EngineReplica:
 
     async def check_health(self) -> None:
         await self.engine.llm.check_health()
+
+    async def status(self) -> EngineStatus:
+        load, manager = self.engine.load, self.engine.llm.engine_core.resources.engine_manager
+        return EngineStatus(replica_id=self.replica_id, role=self.role, alive=not self.engine.llm.errored,
+                            num_running_reqs=load.num_running_reqs, num_waiting_reqs=load.num_waiting_reqs,
+                            kv_cache_usage=load.kv_cache_usage, pool_blocks=self.engine.pool_blocks,
+                            kept_blocks=self.kept_blocks(time.time()),
+                            engine_pids=tuple(p.pid for p in getattr(manager, "processes", ())))
+
+    def kept_blocks(self, now: float) -> int:
+        return 0
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

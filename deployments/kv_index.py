@@ -1,6 +1,8 @@
-"""The KV index actor: one replica holding app.kv_index.KVIndex for the whole graph.
+"""The KV index actor: one replica holding app.kv_index.KVIndex and the shared conversation records.
 
-router and engine replicas ──record/register──▶ here ──PrefixLookup──▶ router
+engine replicas ──register (heartbeat)──▶ here ◀──lookup/take/record──▶ router replicas
+Its state is soft: after a restart the engines' heartbeats make the membership whole within
+seconds, and lost records or retained sequences cost reuse, never correctness.
 """
 
 import asyncio
@@ -11,12 +13,13 @@ from ray.serve import metrics
 
 from app import kv_events
 from app.config import AppConfig
+from app.conversations import ConversationRecord, ConversationStore, HistoryMatch
 from app.kv_index import KVIndex, SequenceKey
-from app.protocol import PrefixLookup, ReplicaInfo, RetainedBlocks, Role
+from app.protocol import Membership, PrefixLookup, ReplicaInfo, RetainedBlocks, Role
 
 logger = logging.getLogger("ray.serve")
 
-EXPIRE_EVERY_S = 5.0
+EXPIRE_EVERY_S = 1.0
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -25,7 +28,9 @@ class KVIndexServer:
     KV-event feeds, so the index needs no lock (sync methods would run in a thread pool)."""
 
     def __init__(self, config: AppConfig) -> None:
+        self.config = config
         self.index = KVIndex(block_size=config.block_size, hash_seed=config.prefix_hash_seed)
+        self.conversations = ConversationStore(ttl_s=config.conversation_ttl_s, max_records=config.max_conversations)
         self._expiry_task = asyncio.get_event_loop().create_task(self._expire_forever())
         self._subscriptions: dict[str, asyncio.Task] = {}
         self._size = metrics.Gauge("kv_loop_index_size", "KV index entries by kind.", tag_keys=("entries",))
@@ -35,12 +40,16 @@ class KVIndexServer:
         while True:
             await asyncio.sleep(EXPIRE_EVERY_S)
             self.index.expire()
-            for name, value in self.index.stats().items():
+            for replica_id in self.index.expire_replicas(self.config.limits.registration_ttl_s):
+                logger.warning("replica %s stopped renewing its registration: forgotten", replica_id)
+                if task := self._subscriptions.pop(replica_id, None):
+                    task.cancel()
+            for name, value in {**self.index.stats(), "conversations": len(self.conversations)}.items():
                 self._size.set(value, {"entries": name})
 
     async def register(self, info: ReplicaInfo) -> None:
-        self.index.register(info)
-        if info.events_endpoint and info.role == Role.PREFILL:
+        """A replica's start and each of its heartbeats."""
+        if self.index.register(info) and info.events_endpoint and info.role == Role.PREFILL:
             self._subscriptions[info.replica_id] = asyncio.get_event_loop().create_task(
                 self._follow_events(info.replica_id, info.events_endpoint))
 
@@ -49,24 +58,34 @@ class KVIndexServer:
             async for batch in kv_events.subscribe(endpoint):
                 kv_events.apply(self.index, replica_id, batch)
                 self.events_applied += len(batch.events)
+        except asyncio.CancelledError:
+            raise
         except Exception:  # noqa: BLE001 - a lost feed only makes the index staler, never wrong
             logger.exception("KV event feed of replica %s stopped", replica_id)
+
+    async def membership(self) -> Membership:
+        return Membership(prefill=tuple(self.index.replica_ids(Role.PREFILL)),
+                          decode=tuple(self.index.replica_ids(Role.DECODE)))
 
     async def lookup(self, hashes: list[bytes]) -> PrefixLookup:
         return self.index.lookup(hashes)
 
+    async def take(self, key: SequenceKey) -> RetainedBlocks | None:
+        """Claim a retained sequence: the caller becomes its only reader or releaser (None: taken already)."""
+        return self.index.forget_retained(key)
+
     async def record_retained(self, salt: str, retained: RetainedBlocks) -> None:
         self.index.record_retained(salt, retained)
-
-    async def forget_retained(self, key: SequenceKey) -> None:
-        self.index.forget_retained(key)
 
     async def record_prefill(self, replica_id: str, hashes: list[bytes]) -> None:
         self.index.record_prefill(replica_id, hashes)
 
-    async def ready(self) -> bool:
-        """At least one prefill and one decode engine have started and registered."""
-        return all(self.index.replica_ids(role) for role in Role)
+    async def match_conversation(self, chain: list[str], last_assistant: int,
+                                 session_key: str | None) -> HistoryMatch:
+        return self.conversations.match(chain, last_assistant, session_key)
+
+    async def record_conversation(self, record: ConversationRecord, session_key: str | None) -> None:
+        self.conversations.put(record, session_key)
 
     async def stats(self) -> dict[str, int]:
-        return {**self.index.stats(), "events_applied": self.events_applied}
+        return {**self.index.stats(), "conversations": len(self.conversations), "events_applied": self.events_applied}

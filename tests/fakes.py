@@ -4,8 +4,9 @@ from types import SimpleNamespace
 from unittest.mock import MagicMock
 
 from app.config import AppConfig
-from app.protocol import PrefillResult, PrefixLookup, ReplyChunk
-from app.turn import TurnLoop
+from app.ledger import TurnLedger
+from app.protocol import Membership, PrefillResult, PrefixLookup, ReplyChunk
+from app.turn import Turn, TurnLoop
 
 
 class Remote:
@@ -16,7 +17,7 @@ class Remote:
 
     def remote(self, *args):
         self.calls.append(args[0] if len(args) == 1 else args)
-        result = self.answer(args[0])
+        result = self.answer(args[0] if args else None)
         return result if hasattr(result, "__anext__") else Response(result)
 
 
@@ -27,29 +28,69 @@ class Response:
         self.value = value
 
     def __await__(self):
+        if isinstance(self.value, Exception):
+            raise self.value
         return self.value
         yield  # a generator: awaiting it returns at once
 
 
 class DecodeGroup:
     """Streams `chunks` for every request; with `fails_prompts`, a request that asks decode to
-    compute the prompt itself (no handoff) fails before its first chunk."""
+    compute the prompt itself (no handoff) fails before its first chunk; with `fails_after`, every
+    stream fails after that many chunks."""
 
-    def __init__(self, chunks: list[ReplyChunk], fails_prompts: bool = False) -> None:
+    def __init__(self, chunks: list[ReplyChunk], fails_prompts: bool = False, fails_after: int | None = None) -> None:
         async def stream(request):
             if fails_prompts and request.handoff is None:
                 raise RuntimeError("decode replica is gone")
-            for chunk in chunks:
+            for i, chunk in enumerate(chunks):
+                if fails_after is not None and i == fails_after:
+                    raise RuntimeError("engine died")
                 yield chunk
-        self.decode, self.release = Remote(stream), Remote()
+        self.chunks = chunks
+        self.generate, self.release = Remote(stream), Remote()
 
     def options(self, stream: bool):
         return self
 
 
+class Index(SimpleNamespace):
+    """The KV index deployment: `lookup` answers `lookup`, `membership` the engines `members`;
+    `take` succeeds for any key once."""
+
+    def __init__(self, lookup: PrefixLookup | None, members: Membership) -> None:
+        taken = set()
+
+        def take(key):
+            if key in taken:
+                return None
+            taken.add(key)
+            return key
+
+        super().__init__(lookup=Remote(lambda _: lookup or PrefixLookup(prefill_cached_tokens={"p0": 0})),
+                         take=Remote(take), record_prefill=Remote(), record_retained=Remote(),
+                         membership=Remote(lambda _: members))
+
+
+ONE_OF_EACH = Membership(("p0",), ("d0",))
+
+
 def turn_loop(result: PrefillResult, decode: DecodeGroup, lookup: PrefixLookup | None = None,
-              **config) -> TurnLoop:
-    index = SimpleNamespace(lookup=Remote(lambda _: lookup or PrefixLookup(prefill_cached_tokens={"p0": 0})),
-                            record_prefill=Remote(), record_retained=Remote(), forget_retained=Remote())
-    prefill = SimpleNamespace(prefill=Remote(lambda _: result), release=Remote())
-    return TurnLoop(AppConfig(**config), index, prefill, decode, MagicMock())
+              members: Membership = ONE_OF_EACH, **config) -> TurnLoop:
+    prefill = SimpleNamespace(prefill=Remote(lambda _: result), release=Remote(),
+                              generate=DecodeGroup(decode.chunks).generate)  # a whole turn, when no decode lives
+    prefill.options = lambda stream: prefill
+    loop = TurnLoop(AppConfig(**config), Index(lookup, members), prefill, decode, MagicMock())
+    loop.engines.update(members)
+    return loop
+
+
+async def run_turn(loop: TurnLoop, turn: Turn):
+    """Prepare, stream and close one turn as the router does; returns (chunks, prepared)."""
+    ledger = TurnLedger(turn.request_id)
+    try:
+        prepared = await loop.prepare(turn, ledger)
+        return [chunk async for chunk in loop.reply(prepared)], prepared
+    finally:
+        loop.close(turn, ledger)
+        await loop.drain()

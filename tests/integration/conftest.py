@@ -5,8 +5,6 @@ token prefill does not compute came from a reverse pull. The reference engine is
 engine without disaggregation: the oracle for generated token ids.
 """
 
-import os
-
 import httpx
 import pytest
 import ray
@@ -15,6 +13,7 @@ from openai import OpenAI
 from app.client import TurnResult, chat_turn
 from app.config import load_config
 from app.launch import start_local, stop_local
+from app.tools.oracle import start_reference
 
 SYSTEM_PROMPT = "You are a helpful assistant. " + " ".join(
     f"Rule {i}: the router keeps an index of which replica holds which blocks, and until when." for i in range(30))
@@ -22,33 +21,17 @@ USER_TURNS = ["What is the capital of France?", "Summarise section two.", "List 
               "Explain the trade off."]
 
 
-@ray.remote(num_cpus=0)
-class ReferenceEngine:
-    """One plain vLLM engine, aggregated, prefix caching on: what the pipeline must reproduce."""
-
-    def __init__(self, model_path: str, block_size: int, max_model_len: int) -> None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        from vllm import LLM
-
-        self.llm = LLM(model=model_path, dtype="float32", block_size=block_size, max_model_len=max_model_len,
-                       enforce_eager=True, enable_prefix_caching=True)
-
-    def generate(self, prompts: list[list[int]], max_tokens: int, regex: str | None = None) -> list[list[int]]:
-        from vllm import SamplingParams, TokensPrompt
-        from vllm.sampling_params import StructuredOutputsParams
-
-        structured = StructuredOutputsParams(regex=regex) if regex else None
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=regex is None,
-                                structured_outputs=structured)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
+def pytest_collection_modifyitems(items):
+    """Fault tests run last: they kill parts of the shared app (which comes back whole after each)."""
+    items.sort(key=lambda item: item.get_closest_marker("faults") is not None)
 
 
 @pytest.fixture(scope="session")
 def app_config(tmp_path_factory):
     return load_config({"model_cache_dir": str(tmp_path_factory.mktemp("models")),
                         "prefill.prefix_caching": "false", "max_model_len": "4096",
-                        "api_keys": '{"unused": "default", "key-a": "tenant-a", "key-b": "tenant-b"}'})
+                        "api_keys": '{"unused": "default", "key-a": "tenant-a", "key-b": "tenant-b"}',
+                        "admin_api_keys": "unused"})
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +57,7 @@ def http(base_url):
 
 @pytest.fixture(scope="session")
 def reference(app_config, base_url):
-    engine = ReferenceEngine.remote(str(app_config.model_path()), app_config.block_size, app_config.max_model_len)
+    engine = start_reference(app_config)
     yield engine
     ray.kill(engine)
 

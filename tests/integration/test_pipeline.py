@@ -143,13 +143,17 @@ def test_client_supplied_transfer_params_change_nothing(client, http, conversati
 
 
 def _plant_retained(prompt_ids: list[int], port: int, expires_in_s: float) -> None:
-    """Put a retained sequence in the index that covers the prompt but cannot be read."""
+    """Put a retained sequence in the index that covers the prompt but cannot be read: it names the
+    live decode replica, with blocks at an engine endpoint where nothing listens."""
+    from app.tools.faults import engine_status
+
     ghost = EngineEndpoint(engine_id="ghost-decode", host="127.0.0.1", port=port)
     blocks = (tuple(range(len(prompt_ids) // 32)),)
-    handoff = KVHandoff(source=ghost, block_ids=blocks, num_tokens=len(prompt_ids), request_id="ghost",
-                        expiry_time=time.time() + expires_in_s, engine_expiry=time.perf_counter() + expires_in_s)
-    retained = RetainedBlocks(replica_id="ghost", handoff=handoff, token_ids=tuple(prompt_ids),
-                              num_prompt_tokens=len(prompt_ids))
+    handoff = KVHandoff(source=ghost, block_ids=blocks, num_tokens=len(prompt_ids),
+                        request_id=f"ghost-{time.monotonic_ns()}", expiry_time=time.time() + expires_in_s,
+                        engine_expiry=time.perf_counter() + expires_in_s)
+    retained = RetainedBlocks(replica_id=engine_status("decode").replica_id, handoff=handoff,
+                              token_ids=tuple(prompt_ids), num_prompt_tokens=len(prompt_ids))
     salt = cache_salt("default")
     serve.get_deployment_handle("KVIndexServer", APP_NAME).record_retained.remote(salt, retained).result()
 

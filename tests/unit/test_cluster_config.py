@@ -17,6 +17,12 @@ def test_cluster_yaml_passes_rays_own_schema():
     assert node_types["decode_gpu"]["resources"] == {"decode_node": 1}
 
 
+def test_the_ray_dashboard_stays_off_public_interfaces():
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    head = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
+
+
 def test_serve_yaml_builds_the_gpu_graph():
     from ray._common.utils import import_attr
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary

@@ -31,3 +31,20 @@ def test_serve_args_are_typed_and_dotted(tmp_path):
 def test_bad_config_is_refused_with_the_reason(args, message):
     with pytest.raises(ValueError, match=message):
         load_config(args)
+
+
+def test_every_limit_is_typed_config_and_checked():
+    config = load_config({"limits.router_max_ongoing_requests": "512", "limits.retry_after_s": "3"})
+    assert config.limits.router_max_ongoing_requests == 512 and config.limits.retry_after_s == 3
+    with pytest.raises(ValueError, match="limits.prefill_timeout_s must be > 0"):
+        load_config({"limits.prefill_timeout_s": "0"})
+    with pytest.raises(ValueError, match="twice limits.heartbeat_interval_s"):
+        load_config({"limits.registration_ttl_s": "1"})
+
+
+def test_decode_heartbeats_come_well_inside_prefill_s_lease_extension():
+    config = AppConfig()
+    heartbeat_s, extension_s = int(config.retention_ttl_s) // 6, config.handoff_lease_s * 2 // 3
+    assert heartbeat_s * 3 <= extension_s
+    with pytest.raises(ValueError, match="lease"):
+        load_config({"handoff_lease_s": "30"})

@@ -29,3 +29,19 @@ def test_prefill_params_make_decode_read():
     params = to_vllm_params(handoff, Role.DECODE)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert "remote_blocks_expiry_time" not in params
+
+
+def test_kv_events_and_the_nixl_side_channel_bind_the_node_s_address_only():
+    from app.config import AppConfig
+    from app.engine import assign_identity, engine_args, engine_env
+
+    config = AppConfig()
+    identity = assign_identity(config, Role.DECODE, 0, "127.0.0.1")
+    assert engine_env(config, config.decode, identity)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    args = engine_args(config, config.decode, identity)
+    assert args.kv_events_config.endpoint.startswith("ipc://"), "vLLM publishes on the node only"
+    assert identity.events_endpoint == f"tcp://127.0.0.1:{identity.events_port}", "forwarded on the node's address"
+    transfer = args.kv_transfer_config.kv_connector_extra_config
+    assert transfer["kv_lease_duration"] == int(config.retention_ttl_s)
+    prefill = engine_args(config, config.prefill, assign_identity(config, Role.PREFILL, 0, "127.0.0.1"))
+    assert prefill.kv_transfer_config.kv_connector_extra_config["kv_lease_duration"] == config.handoff_lease_s

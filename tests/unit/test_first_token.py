@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.protocol import PrefillRequest, PrefillResult, ReplyChunk, SamplingSettings
+from app.protocol import PrefillRequest, PrefillResult, ReplyChunk, Role, SamplingSettings
 from app.turn import Turn, TurnLoop
 from deployments.prefill import engine_settings, first_chunk
 from tests.factories import BLOCK, handoff
-from tests.fakes import DecodeGroup, turn_loop
+from tests.fakes import DecodeGroup, run_turn, turn_loop
 
 PROMPT = tuple(range(64))
 
@@ -27,10 +27,7 @@ def _result(first: ReplyChunk | None) -> PrefillResult:
 
 
 def _serve(loop: TurnLoop, sampling: SamplingSettings) -> list[ReplyChunk]:
-    async def run():
-        prepared = await loop.prepare(Turn("t", PROMPT, "salt", sampling))
-        return [chunk async for chunk in loop.decode(prepared)], prepared
-    return asyncio.run(run())
+    return asyncio.run(run_turn(loop, Turn("t", PROMPT, "salt", sampling)))
 
 
 def test_the_first_token_comes_from_prefill_and_decode_continues_after_it():
@@ -38,8 +35,8 @@ def test_the_first_token_comes_from_prefill_and_decode_continues_after_it():
     loop, decode = _loop(_result(first), [ReplyChunk(token_ids=(8, 9), text=" b c", finish_reason="length")])
     chunks, prepared = _serve(loop, SamplingSettings(max_tokens=3, temperature=0.0))
     assert [c.token_ids for c in chunks] == [(7,), (8, 9)]
-    assert loop.prefill_group.prefill.calls[0].first_token == SamplingSettings(max_tokens=3, temperature=0.0)
-    request = decode.decode.calls[0]
+    assert loop.groups[Role.PREFILL].prefill.calls[0].first_token == SamplingSettings(max_tokens=3, temperature=0.0)
+    request = decode.generate.calls[0]
     assert request.prompt_token_ids == PROMPT + (7,) and request.sampling.max_tokens == 2
     assert prepared.log_entry["first_token_from"] == "prefill" and "ttft_ms" in prepared.log_entry
 
@@ -56,8 +53,8 @@ def test_a_turn_that_ends_with_its_first_token_frees_prefill_blocks_without_deco
     loop, decode = _loop(_result(ReplyChunk(token_ids=(7,), text=" a", finish_reason="length")), [])
     chunks, prepared = _serve(loop, SamplingSettings(max_tokens=1, temperature=0.0))
     assert [c.finish_reason for c in chunks] == ["length"]
-    assert decode.decode.calls == [] and decode.release.calls == [prepared.prefill.handoff]
-    assert loop.index.record_prefill.calls == [("p0", prepared.hashes)]
+    assert decode.generate.calls == [] and decode.release.calls == [prepared.prefill.handoff]
+    assert loop.index.record_prefill.calls == [("p0", prepared.ledger.hashes)]
 
 
 @pytest.mark.parametrize("sampling, config", [
@@ -68,9 +65,9 @@ def test_a_turn_that_ends_with_its_first_token_frees_prefill_blocks_without_deco
 def test_stop_strings_grammars_or_the_switch_leave_the_first_token_to_decode(sampling, config):
     loop, decode = _loop(_result(None), [ReplyChunk(token_ids=(8,), text=" b", finish_reason="length")], **config)
     chunks, prepared = _serve(loop, sampling)
-    assert loop.prefill_group.prefill.calls[0].first_token is None
-    assert decode.decode.calls[0].prompt_token_ids == PROMPT
-    assert decode.decode.calls[0].sampling == sampling
+    assert loop.groups[Role.PREFILL].prefill.calls[0].first_token is None
+    assert decode.generate.calls[0].prompt_token_ids == PROMPT
+    assert decode.generate.calls[0].sampling == sampling
     assert prepared.log_entry["first_token_from"] == "decode"
 
 

@@ -85,3 +85,22 @@ def test_index_follows_a_recorded_engine_event_stream():
     assert index.lookup(hashes, now=NOW).prefill_cached_tokens["p0"] == 64, "an LRU eviction shortens the hit"
     kv_events.apply(index, "p0", KVEventBatch(ts=2.0, events=[AllBlocksCleared()]))
     assert index.lookup(hashes, now=NOW).prefill_cached_tokens["p0"] == 0
+
+
+def test_a_replica_that_stops_renewing_its_registration_is_forgotten_with_its_sequences():
+    index = KVIndex(block_size=BLOCK)
+    index.register(replica("p0"), now=NOW)
+    index.register(replica("d0", role=Role.DECODE), now=NOW)
+    index.record_retained("t", retained(list(range(128)), NOW + 60, request_id="r"))
+    index.register(replica("p0"), now=NOW + 4)
+    assert index.expire_replicas(ttl_s=5.0, now=NOW + 6) == ["d0"]
+    assert index.replica_ids(Role.DECODE) == [] and index.replica_ids(Role.PREFILL) == ["p0"]
+    assert index.stats()["retained_sequences"] == 0
+    assert index.register(replica("d0", role=Role.DECODE), now=NOW + 7), "a restarted replica registers anew"
+
+
+def test_a_retained_sequence_has_one_owner():
+    index = _index()
+    index.record_retained("t", retained(list(range(128)), NOW + 60, request_id="r"))
+    assert index.forget_retained(("d0", "r")) is not None
+    assert index.forget_retained(("d0", "r")) is None, "the second claimant gets nothing"

@@ -23,3 +23,26 @@ def test_sampling_settings_from_the_request():
     sampling = request.sampling(default_max_tokens=256)
     assert sampling.max_tokens == 7 and sampling.temperature == 0 and sampling.stop == ("END",)
     assert request.include_usage is False
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"n": 2}, "n"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"logprobs": True}, "logprobs"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"), ({"presence_penalty": 0.5}, "presence_penalty"),
+])
+def test_fields_the_server_does_not_implement_are_refused_by_name(extra, named):
+    with pytest.raises(ValidationError, match=f"not supported by this server: {named}"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **extra)
+
+
+def test_no_op_values_of_unimplemented_fields_are_accepted():
+    ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], n=1, tools=[], logprobs=False,
+                          response_format={"type": "text"}, presence_penalty=0)
+
+
+def test_image_parts_and_invalid_regexes_are_refused():
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    with pytest.raises(ValidationError, match="image_url are not supported"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": [image]}])
+    with pytest.raises(ValidationError, match="invalid regex"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], structured_outputs={"regex": "(["})

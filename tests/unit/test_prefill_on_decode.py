@@ -5,10 +5,20 @@ import asyncio
 import time
 
 from app.decision import PullPolicy, decide_prefill_on_decode
-from app.protocol import Action, PrefillResult, PrefixLookup, Reason, ReplyChunk, RetainedMatch, SamplingSettings
+from app.protocol import (
+    Action,
+    Membership,
+    PrefillResult,
+    PrefixLookup,
+    Reason,
+    ReplyChunk,
+    RetainedMatch,
+    Role,
+    SamplingSettings,
+)
 from app.turn import Turn
 from tests.factories import BLOCK, handoff, retained
-from tests.fakes import DecodeGroup, turn_loop
+from tests.fakes import DecodeGroup, run_turn, turn_loop
 
 HISTORY = list(range(300))
 POLICY = PullPolicy(block_size=BLOCK, threshold_tokens=32, expiry_margin_s=5.0, max_decode_prefill_tokens=64)
@@ -52,21 +62,18 @@ def _serve(decode: DecodeGroup, **turn):
 
 
 def _turn(loop, prompt: tuple[int, ...], **turn):
-    async def run():
-        prepared = await loop.prepare(Turn("t", prompt, "salt", SamplingSettings(max_tokens=2), **turn))
-        return [chunk async for chunk in loop.decode(prepared)], prepared
-    return asyncio.run(run())
+    return asyncio.run(run_turn(loop, Turn("t", prompt, "salt", SamplingSettings(max_tokens=2), **turn)))
 
 
 def test_the_turn_loop_sends_a_short_append_to_the_retaining_replica_and_frees_the_old_sequence():
     decode = DecodeGroup(REPLY)
     chunks, prepared, loop = _serve(decode)
-    assert chunks == REPLY and loop.prefill_group.prefill.calls == []
-    request = decode.decode.calls[0]
+    assert chunks == REPLY and loop.groups[Role.PREFILL].prefill.calls == []
+    request = decode.generate.calls[0]
     assert request.handoff is None and request.target_replica_id == "d0" and request.prompt_token_ids == PROMPT
     assert prepared.cached_tokens == 288 and prepared.log_entry["first_token_from"] == "decode"
-    assert loop.index.forget_retained.calls == [("d0", "r1")]
-    assert loop.prefill_group.release.calls == [prepared.decision.retained.handoff], "the extended sequence"
+    assert loop.index.take.calls == [("d0", "r1")], "the turn owns the sequence it extends"
+    assert loop.groups[Role.PREFILL].release.calls == [prepared.decision.retained.handoff], "the extended sequence"
     assert loop.index.record_retained.calls == [("salt", REPLY[-1].retained)]
     assert loop.index.record_prefill.calls == [], "no prefill replica computed anything"
 
@@ -74,16 +81,29 @@ def test_the_turn_loop_sends_a_short_append_to_the_retaining_replica_and_frees_t
 def test_a_request_may_keep_its_prompt_on_prefill():
     decode = DecodeGroup(REPLY)
     _, prepared, loop = _serve(decode, prefill_on_decode=False)
-    assert prepared.decision.action == Action.PULL and len(loop.prefill_group.prefill.calls) == 1
+    assert prepared.decision.action == Action.PULL and len(loop.groups[Role.PREFILL].prefill.calls) == 1
 
 
-def test_a_failed_decode_replica_falls_back_to_recomputing_through_prefill():
+def test_a_failed_decode_replica_falls_back_to_recomputing_through_prefill_for_another_decode():
+    decode = DecodeGroup(REPLY, fails_prompts=True)
+    loop = turn_loop(THROUGH_PREFILL, decode, _lookup(time.time() + 60), members=Membership(("p0",), ("d0", "d1")))
+    chunks, prepared = _turn(loop, PROMPT)
+    assert prepared.decision.action == Action.RECOMPUTE and prepared.decision.reason == Reason.DECODE_FAILED
+    assert loop.groups[Role.PREFILL].prefill.calls[0].pull is None, "nothing pulled from the failed replica"
+    assert [c.token_ids for c in chunks] == [(8,), (8,), (9,)]  # prefill's first token, then the fake's reply
+    assert decode.generate.calls[-1].handoff == THROUGH_PREFILL.handoff
+    assert decode.generate.calls[-1].target_replica_id == "d1", "routed around the failed replica"
+
+
+def test_when_the_only_decode_replica_fails_the_whole_turn_runs_on_prefill():
     decode = DecodeGroup(REPLY, fails_prompts=True)
     chunks, prepared, loop = _serve(decode)
-    assert prepared.decision.action == Action.RECOMPUTE and prepared.decision.reason == Reason.DECODE_FAILED
-    assert loop.prefill_group.prefill.calls[0].pull is None, "nothing pulled from the failed replica"
-    assert [c.token_ids for c in chunks] == [(8,), (8,), (9,)]  # prefill's first token, then the fake's reply
-    assert decode.decode.calls[-1].handoff == THROUGH_PREFILL.handoff
+    assert prepared.decision.action == Action.RUN_ON_PREFILL and prepared.decision.reason == Reason.NO_DECODE_ALIVE
+    assert chunks == REPLY and loop.groups[Role.PREFILL].prefill.calls == []
+    request = loop.groups[Role.PREFILL].generate.calls[0]
+    assert request.handoff is None and request.retain is False and request.target_replica_id == "p0"
+    released = [h.request_id for h in loop.groups[Role.PREFILL].release.calls]
+    assert released[0] == "r1", "the claimed sequence nobody extended is released"
 
 
 def test_a_short_append_to_a_sequence_this_router_recorded_needs_no_index_call():
@@ -92,6 +112,6 @@ def test_a_short_append_to_a_sequence_this_router_recorded_needs_no_index_call()
     assert len(loop.index.lookup.calls) == 1, "only the first turn asked the index"
     assert follow_up.decision.action == Action.PREFILL_ON_DECODE
     assert follow_up.decision.retained == REPLY[-1].retained
-    assert loop.index.forget_retained.calls[-1] == ("d0", "r2")
+    assert loop.index.take.calls[-1] == ("d0", "r2"), "a near-cache claim is confirmed before the release"
     _, other = _turn(loop, (1, 2, 3) * 40)
     assert len(loop.index.lookup.calls) == 2 and other.decision.action != Action.PREFILL_ON_DECODE

@@ -1,0 +1,70 @@
+"""The turn loop's decision log and load estimates: each planned turn ──▶ a log entry (the
+`/admin/decisions` ring, the structured log line, Serve metrics) and each prefill ──▶ its
+replica's eviction horizon."""
+
+import dataclasses
+import json
+import logging
+import time
+from collections import Counter, deque
+from typing import Any
+
+from app.conversations import RenderDiagnostics
+from app.horizon import EvictionHorizon
+from app.metrics import TurnMetrics
+from app.protocol import PrefillResult, RoutingDecision
+
+logger = logging.getLogger("ray.serve")
+
+
+class TurnJournal:
+    def __init__(self, block_size: int, metrics: TurnMetrics, size: int = 1000) -> None:
+        self.block_size, self.metrics = block_size, metrics
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=size)
+        self.horizon = EvictionHorizon()
+        self.horizons: dict[str, float] = {}
+        """Each prefill replica's latest eviction horizon estimate."""
+        self.queued_tokens: Counter[str] = Counter()
+        """Prefill tokens this router has sent to each replica and not seen finish: its load."""
+
+    def log(self, turn, decision: RoutingDecision, result: PrefillResult,
+            measured: dict[str, Any]) -> dict[str, Any]:
+        pulled = decision.pulled_tokens
+        entry = {"event": "kv_decision", "request_id": turn.request_id, "time": time.time(),
+                 "prompt_tokens": len(turn.prompt_token_ids), "cached_tokens": result.num_cached_tokens,
+                 "pulled_tokens": pulled, "prefill_replica": result.replica_id,
+                 # Not asdict: it would deep-copy the retained sequence's token ids on the hot path.
+                 **{f.name: getattr(decision, f.name) for f in dataclasses.fields(decision)
+                    if f.name not in ("pull", "retained")},
+                 "action": decision.action.value, "reason": decision.reason.value,
+                 "pull_source": decision.pull.source.engine_id if decision.pull else None,
+                 "policy": turn.routing_policy.value, **measured,
+                 "rendering": _rendering_log(turn.rendering)}
+        self.metrics.record_turn(decision, len(turn.prompt_token_ids), result.num_cached_tokens, pulled)
+        if turn.rendering is not None:
+            self.metrics.record_rendering(turn.rendering)
+        if turn.rendering is not None and turn.rendering.previous_tokens:
+            reusable_tokens = turn.rendering.reusable_blocks * self.block_size
+            entry["later_turn_hit"] = result.num_cached_tokens >= reusable_tokens
+            entry["same_replica"] = result.replica_id == turn.previous_replica
+            self.metrics.record_later_turn(turn.routing_policy.value, entry["later_turn_hit"], entry["same_replica"])
+        self.decisions.append(entry)
+        logger.info(json.dumps(entry))
+        return entry
+
+    def observe_load(self, result: PrefillResult, now: float) -> float | None:
+        replica = result.replica_id
+        self.horizon.observe(replica, result.num_prompt_tokens - result.num_cached_tokens, now)
+        estimate = self.horizon.estimate_s(replica, result.pool_tokens, self.queued_tokens[replica], now)
+        if estimate is None:  # nothing computed lately: nothing is being evicted
+            self.horizons.pop(replica, None)
+        else:
+            self.horizons[replica] = estimate
+            self.metrics.record_horizon(replica, estimate)
+        return estimate
+
+
+def _rendering_log(rendering: RenderDiagnostics | None) -> dict[str, Any] | None:
+    if rendering is None:
+        return None
+    return {**dataclasses.asdict(rendering), "mode": rendering.mode.value, "cause": rendering.cause.value}

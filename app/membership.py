@@ -1,0 +1,41 @@
+"""The router's view of which engine replicas can take work.
+
+kv_index.membership (engine heartbeats) ──update──▶ LiveEngines ◀──suspect── a failed call
+LiveEngines.live(role) ──▶ the turn loop's choices (prefill replica, decode replica, degraded modes)
+The last membership is kept while the index is unreachable: engines outlive an index restart.
+"""
+
+import time
+from collections import Counter
+
+from app.protocol import Membership, Role
+
+
+class LiveEngines:
+    def __init__(self, suspect_s: float) -> None:
+        self.suspect_s = suspect_s
+        self.members = Membership()
+        self.known = False
+        """A membership has been received at least once (before that the engines are starting)."""
+        self._suspects: dict[str, float] = {}
+        self.streams: Counter[str] = Counter()
+        """Streams this router has open on each replica: its load, as this router sees it."""
+
+    def update(self, members: Membership) -> None:
+        self.members, self.known = members, True
+
+    def suspect(self, replica_id: str, now: float | None = None) -> None:
+        """A call to the replica failed: route around it for a while (its heartbeat may lag)."""
+        if replica_id:
+            self._suspects[replica_id] = (time.monotonic() if now is None else now) + self.suspect_s
+
+    def live(self, role: Role, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        return [r for r in self.members.of(role) if self._suspects.get(r, 0.0) <= now]
+
+    def pick(self, role: Role, preferred: str = "") -> str | None:
+        """The preferred replica if live, else the live one with the fewest open streams."""
+        live = self.live(role)
+        if preferred in live:
+            return preferred
+        return min(live, key=lambda r: self.streams[r], default=None)

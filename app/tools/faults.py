@@ -1,0 +1,107 @@
+"""Real faults for a running app, and the wait for it to be whole again: kill a replica's actor,
+SIGKILL a replica's vLLM engine process, kill the KV index or a router replica.
+
+driver (tests/integration/test_faults.py, benchmarks/faults.py) ──ray.kill / os.kill──▶ the app
+Run it on the machine of the replica it hits (engine pids are local), in a driver connected to
+the app's Ray.
+"""
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import httpx
+
+from app.launch import APP_NAME
+from app.protocol import DecodeRequest, EngineStatus, SamplingSettings
+
+SERVE_NAMESPACE = "serve"
+FAULTS = ("kill_decode_replica", "sigkill_decode_engine", "sigkill_prefill_engine", "kill_index")
+"""The faults between turns that `inject` knows, by name."""
+DEPLOYMENTS = {"decode": "decode", "prefill": "prefill", "index": "KVIndexServer", "router": "router"}
+
+
+def replica_names(deployment: str) -> list[str]:
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP_NAME}#{deployment}#"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+
+
+def kill_replica(deployment: str) -> str:
+    """Kill one replica's actor (Serve starts another); returns the killed actor's name."""
+    import ray
+
+    name = replica_names(deployment)[0]
+    ray.kill(ray.get_actor(name, namespace=SERVE_NAMESPACE), no_restart=True)
+    return name
+
+
+def engine_status(deployment: str) -> EngineStatus:
+    from ray import serve
+
+    return serve.get_deployment_handle(deployment, APP_NAME).status.remote().result(timeout_s=30)
+
+
+def sigkill_engine(deployment: str) -> str:
+    """SIGKILL the vLLM engine-core process of a replica (the replica lives on, its engine dead);
+    returns the replica's actor name (Serve replaces the replica once its health check fails)."""
+    os.kill(engine_status(deployment).engine_pids[0], signal.SIGKILL)
+    return replica_names(deployment)[0]
+
+
+def inject(fault: str) -> str:
+    """One named fault (see FAULTS); returns the actor name of the replica hit."""
+    action, _, part = fault.partition("_")
+    deployment = DEPLOYMENTS[part.split("_")[0]]
+    return sigkill_engine(deployment) if action == "sigkill" else kill_replica(deployment)
+
+
+def probe_decode_usage(tokens: int = 8) -> EngineStatus:
+    """Run one tiny request on decode so its engine steps, then read its stats (vLLM refreshes them
+    only when it steps): the pool's use with nothing else running, plus the probe's one block."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(DEPLOYMENTS["decode"], APP_NAME).options(stream=True)
+    request = DecodeRequest(request_id=f"probe-{time.monotonic_ns()}", prompt_token_ids=tuple(range(11, 11 + tokens)),
+                            cache_salt="probe", sampling=SamplingSettings(max_tokens=1, temperature=0.0),
+                            handoff=None, retain=False)
+    for _ in handle.generate.remote(request):
+        pass
+    return engine_status(DEPLOYMENTS["decode"])
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 0.25) -> float:
+    """Seconds until `predicate()` held; TimeoutError past `timeout_s` (exceptions count as not yet)."""
+    start = time.monotonic()
+    while True:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except Exception:  # noqa: BLE001 - the part being waited for is still restarting
+            pass
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"not recovered within {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
+def health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=5).json()
+
+
+def wait_whole(url: str, gone: tuple[str, ...] = (), timeout_s: float = 300.0) -> float:
+    """Wait until the replicas named in `gone` are replaced, every deployment is healthy and the
+    router sees one live engine per replica of each group."""
+    from ray import serve
+
+    def whole() -> bool:
+        app = serve.status().applications[APP_NAME]
+        if any(d.status != "HEALTHY" for d in app.deployments.values()):
+            return False
+        if any(name in replica_names(name.split("#")[1]) for name in gone):
+            return False
+        live = health(url).get("live_engines", {})
+        return all(live.get(role, 0) == len(replica_names(role)) for role in ("prefill", "decode"))
+
+    return wait_until(whole, timeout_s, poll_s=1.0)

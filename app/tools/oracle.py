@@ -1,0 +1,30 @@
+"""The oracle: one plain vLLM engine, aggregated, prefix caching on, greedy. A conversation served
+through the disaggregated pipeline must produce its token ids (tests, benchmarks.faults)."""
+
+import os
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class ReferenceEngine:
+    def __init__(self, model_path: str, block_size: int, max_model_len: int) -> None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        from vllm import LLM
+
+        self.llm = LLM(model=model_path, dtype="float32", block_size=block_size, max_model_len=max_model_len,
+                       enforce_eager=True, enable_prefix_caching=True)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, regex: str | None = None) -> list[list[int]]:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(regex=regex) if regex else None
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=regex is None,
+                                structured_outputs=structured)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def start_reference(config) -> "ray.actor.ActorHandle":
+    return ReferenceEngine.remote(str(config.model_path()), config.block_size, config.max_model_len)

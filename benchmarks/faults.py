@@ -1,0 +1,132 @@
+"""What each single fault costs users: conversations keep talking to the embedded default while one
+part is killed, and every answered turn is checked against one plain vLLM engine.
+
+    python -m benchmarks.faults [--conversations 4] [--window-s 20]
+
+Prints, per fault: turns answered, turns failed (503s with Retry-After counted apart), other
+errors, wrong tokens, and the seconds from the fault to the next answered turn and until the app
+was whole again. Run with two router replicas, so a router can be killed too.
+"""
+
+import argparse
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+import openai
+import ray
+
+from app.client import TurnResult, chat_turn
+from app.config import load_config
+from app.launch import start_local, stop_local
+from app.tools import faults
+from app.tools.oracle import start_reference
+from benchmarks.workload import openai_client
+
+MAX_TOKENS = 16
+SYSTEM = "You are a careful assistant. " + " ".join(f"Fact {i}: the KV index knows which replica holds what."
+                                                    for i in range(20))
+
+
+@dataclass
+class FaultRun:
+    fault: str
+    answered: list[tuple[float, TurnResult]] = field(default_factory=list)
+    unavailable: int = 0
+    """503s with Retry-After (allowed only while no engine at all can serve)."""
+    errors: list[str] = field(default_factory=list)
+    wrong_tokens: int = 0
+    injected_at: float = 0.0
+    whole_after_s: float = 0.0
+
+    @property
+    def first_served_after_s(self) -> float | None:
+        after = [t for t, _ in self.answered if t > self.injected_at]
+        return min(after) - self.injected_at if after else None
+
+
+def converse(client, tag: str, run: FaultRun, stop: threading.Event) -> None:
+    """One conversation, turn after turn, until `stop`; alternating streaming, prefill kept in the path."""
+    messages = [{"role": "system", "content": f"{tag}. {SYSTEM}"}]
+    k = 0
+    while not stop.is_set():
+        messages.append({"role": "user", "content": f"Question {k}?"})
+        try:
+            turn = chat_turn(client, messages, MAX_TOKENS, stream=k % 2 == 0, prefill_on_decode=k % 3 != 0)
+        except openai.APIStatusError as exc:
+            retry_after = exc.response.headers.get("retry-after")
+            if exc.status_code == 503 and retry_after:
+                run.unavailable += 1
+            else:
+                run.errors.append(f"{exc.status_code}: {str(exc)[:120]}")
+            messages.pop()
+            time.sleep(0.5)
+            continue
+        except Exception as exc:  # noqa: BLE001 - a connection cut is a failed turn too
+            run.errors.append(f"{type(exc).__name__}: {str(exc)[:120]}")
+            messages.pop()
+            time.sleep(0.5)
+            continue
+        run.answered.append((time.monotonic(), turn))
+        messages.append({"role": "assistant", "content": turn.text})
+        k += 1
+
+
+def run_fault(url: str, fault: str, conversations: int, window_s: float) -> FaultRun:
+    run, stop = FaultRun(fault), threading.Event()
+    client = openai_client(url)
+    threads = [threading.Thread(target=converse, args=(client, f"{fault}-{i}", run, stop))
+               for i in range(conversations)]
+    for thread in threads:
+        thread.start()
+    time.sleep(window_s / 4)
+    run.injected_at = time.monotonic()
+    hit = faults.inject(fault)
+    time.sleep(window_s * 3 / 4)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    run.whole_after_s = faults.wait_whole(url, gone=(hit,)) + (time.monotonic() - run.injected_at)
+    return run
+
+
+def check(reference, run: FaultRun) -> None:
+    turns = [t for _, t in run.answered]
+    expected = ray.get(reference.generate.remote([t.prompt_ids for t in turns], MAX_TOKENS))
+    run.wrong_tokens = sum(sum(a != b for a, b in zip(t.output_ids, e)) + abs(len(t.output_ids) - len(e))
+                           for t, e in zip(turns, expected))
+
+
+def report(runs: list[FaultRun]) -> str:
+    lines = ["| fault | turns answered | failed (503 + Retry-After) | other errors | wrong tokens | "
+             "next turn served after | whole again after |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        served = f"{r.first_served_after_s:.1f} s" if r.first_served_after_s is not None else "never"
+        lines.append(f"| {r.fault} | {len(r.answered)} | {r.unavailable} | {len(r.errors)} | {r.wrong_tokens} | "
+                     f"{served} | {r.whole_after_s:.0f} s |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--window-s", type=float, default=20.0)
+    parser.add_argument("--faults", default=",".join((*faults.FAULTS, "kill_router_replica")))
+    args = parser.parse_args()
+    config = replace(load_config({}), router_replicas=2)
+    url = start_local(config)
+    try:
+        reference = start_reference(config)
+        runs = []
+        for fault in args.faults.split(","):
+            run = run_fault(url, fault, args.conversations, args.window_s)
+            check(reference, run)
+            runs.append(run)
+            print(report([run]).splitlines()[-1], *run.errors[:3], sep="\n  ", flush=True)
+        print(report(runs))
+    finally:
+        stop_local()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The router's outermost ASGI layer: body-size cap (413) and the OpenAI error shape for any failure
+that escapes the handlers (never Starlette's plain-text 500).
+
+HTTP ──▶ HttpGuard ──▶ FastAPI (validation, handlers) ──▶ ...
+Pure ASGI rather than Starlette's BaseHTTPMiddleware, which would wrap every streamed chunk.
+"""
+
+import json
+import logging
+
+from fastapi.responses import JSONResponse
+
+from app.openai_api import error_body
+
+logger = logging.getLogger("ray.serve")
+
+
+def error_response(message: str, status: int, retry_after_s: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return JSONResponse(error_body(message, status), status_code=status, headers=headers)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class HttpGuard:
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = scope["app"].state.max_request_bytes  # Starlette puts the app in the scope before its middleware
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            return await _send_json(send, _too_large(limit))
+        received, started = 0, False
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise BodyTooLarge
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await _send_json(send, _too_large(limit))
+        except Exception as exc:  # noqa: BLE001 - the last line: answer in the API's error shape
+            logger.exception("request failed")
+            if not started:
+                await _send_json(send, (500, error_body(f"internal error: {type(exc).__name__}", 500)))
+
+
+def _too_large(limit: int) -> tuple[int, dict]:
+    return 413, error_body(f"request body exceeds this server's limit of {limit} bytes", 413)
+
+
+async def _send_json(send, answer: tuple[int, dict]) -> None:
+    status, body = answer
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+

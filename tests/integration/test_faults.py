@@ -1,0 +1,112 @@
+"""Real faults through the real app: a replica killed, an engine process SIGKILLed, the KV index
+killed, a router replica killed, a client gone mid-stream; every answered turn is checked against
+one plain vLLM engine. Runs last (the app is made whole again after each fault)."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from app.client import chat_turn
+from app.launch import replace_app
+from app.tools import faults
+from tests.integration.conftest import SYSTEM_PROMPT, make_client, reference_ids
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+MAX_TOKENS = 16
+
+
+def _messages(tag: str) -> list[dict]:
+    return [{"role": "system", "content": f"{tag}. {SYSTEM_PROMPT}"}, {"role": "user", "content": "Hello"}]
+
+
+def _next(messages: list[dict], turn, user: str) -> list[dict]:
+    return messages + [{"role": "assistant", "content": turn.text}, {"role": "user", "content": user}]
+
+
+@pytest.mark.parametrize("fault", faults.FAULTS)
+def test_a_fault_between_turns_costs_no_turn_and_no_wrong_token(fault, client, reference, base_url):
+    """Turn 2 goes through the part that was hit (prefill's turns go through prefill)."""
+    through_prefill = {"prefill_on_decode": False} if "prefill" in fault else {}
+    messages = _messages(fault)
+    first = chat_turn(client, messages, MAX_TOKENS, **through_prefill)
+    hit = faults.inject(fault)
+    started = time.monotonic()
+    messages = _next(messages, first, "And then?")
+    second = chat_turn(client, messages, MAX_TOKENS, **through_prefill)
+    served_after_s = time.monotonic() - started
+    new_conversation = chat_turn(client, _messages(f"new after {fault}"), MAX_TOKENS)
+    third = chat_turn(client, _next(messages, second, "Go on."), MAX_TOKENS)
+    turns = [first, second, new_conversation, third]
+    assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
+    assert served_after_s < 5.0, f"turn 2 took {served_after_s:.1f} s after {fault}"
+    if fault == "kill_index":
+        assert faults.wait_until(lambda: faults.health(base_url)["status"] == "ok", 5.0) < 5.0
+    faults.wait_whole(base_url, gone=(hit,))
+
+
+def test_a_client_that_leaves_mid_stream_frees_decode_s_blocks(base_url, app_config):
+    baseline = faults.probe_decode_usage()
+    body = {"model": "tiny-qwen3", "messages": _messages("leaves"), "max_tokens": 3000, "ignore_eos": True,
+            "temperature": 0, "stream": True, "prefill_on_decode": False}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": "Bearer unused"}) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        during = faults.engine_status("decode")
+    assert during.num_running_reqs >= 1 and during.kv_cache_usage > baseline.kv_cache_usage
+    freed_in_s = faults.wait_until(lambda: faults.probe_decode_usage().kv_cache_usage <= baseline.kv_cache_usage, 5.0)
+    assert freed_in_s < 5.0 and faults.engine_status("decode").num_running_reqs == 0
+
+
+@pytest.fixture(scope="module")
+def two_routers_small_decode_pool(app_config, base_url):
+    """The app again with two router replicas and a decode pool of 200 blocks (6,400 tokens)."""
+    config = replace(app_config, router_replicas=2, decode=replace(app_config.decode, num_gpu_blocks_override=200))
+    replace_app(config)
+    faults.wait_whole(base_url)
+    return config
+
+
+def test_a_killed_router_replica_loses_no_conversation(two_routers_small_decode_pool, base_url, reference):
+    """Two router replicas share conversation records through the index: the turn after one of
+    them dies keeps its append-only rendering and its reuse."""
+    client = make_client(base_url)
+    messages = _messages("router")
+    turns = [chat_turn(client, messages, MAX_TOKENS)]
+    hit = faults.kill_replica("router")
+    for user in ("Next.", "Once more."):
+        messages = _next(messages, turns[-1], user)
+        turns.append(chat_turn(client, messages, MAX_TOKENS))
+    assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
+    for previous, current in zip(turns, turns[1:]):
+        sequence = previous.prompt_ids + previous.output_ids
+        assert current.prompt_ids[:len(sequence)] == sequence, "append-only rendering kept"
+        assert current.cached_tokens >= len(sequence) // 32 * 32 - 32, "the history was reused"
+    faults.wait_whole(base_url, gone=(hit,))
+
+
+def test_retained_sequences_yield_the_decode_pool_to_new_requests(two_routers_small_decode_pool, base_url,
+                                                                  reference):
+    """Ten conversations retain more than the pool holds: the oldest retained sequences are
+    released, so no turn waits for vLLM's retention TTL (120 s) to free blocks."""
+    config = two_routers_small_decode_pool
+    client = make_client(base_url)
+    histories = [_messages(f"pool {i}") for i in range(10)]
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(histories)) as pool:
+        first = list(pool.map(lambda m: chat_turn(client, m, MAX_TOKENS), histories))
+        status = faults.engine_status("decode")
+        budget = int(status.pool_blocks * config.limits.retained_pool_share)
+        trimmed_in_s = faults.wait_until(lambda: faults.engine_status("decode").kept_blocks <= budget, 3.0)
+        second = list(pool.map(lambda pair: chat_turn(client, _next(pair[0], pair[1], "More."), MAX_TOKENS),
+                               zip(histories, first)))
+    elapsed_s = time.monotonic() - started
+    turns = first + second
+    assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
+    assert sum(len(t.prompt_ids) for t in first) // config.block_size > status.pool_blocks, "more than fits"
+    assert trimmed_in_s < 3.0
+    assert elapsed_s < 60, f"turns waited on retained blocks ({elapsed_s:.0f} s)"

@@ -1,0 +1,78 @@
+"""Engines that fail: the turn loop routes around them, degrades, and moves a reply mid-stream
+(fakes for the deployments; the real faults are in tests/integration/test_faults.py)."""
+
+import asyncio
+
+import pytest
+
+from app.membership import LiveEngines
+from app.protocol import Action, Membership, PrefillResult, Reason, ReplyChunk, Role, SamplingSettings
+from app.turn import NoEngineAlive, Turn
+from tests.factories import handoff
+from tests.fakes import DecodeGroup, run_turn, turn_loop
+
+PROMPT = tuple(range(100))
+REPLY = [ReplyChunk(token_ids=(i,), text=f" {i}") for i in (8, 9, 10)] + [
+    ReplyChunk(token_ids=(11,), text=" 11", finish_reason="length")]
+PREFILLED = PrefillResult(replica_id="p0", handoff=handoff(len(PROMPT) + 1, 0.0, name="prefill-0"),
+                          num_prompt_tokens=len(PROMPT), num_cached_tokens=0,
+                          first_chunk=ReplyChunk(token_ids=(7,), text=" 7"))
+
+
+def _turn(max_tokens: int = 5, **sampling) -> Turn:
+    return Turn("t", PROMPT, "salt", SamplingSettings(max_tokens=max_tokens, temperature=0.0, **sampling))
+
+
+def test_a_decode_that_dies_mid_reply_hands_the_rest_to_another_engine():
+    decode = DecodeGroup(REPLY, fails_after=2)
+    loop = turn_loop(PREFILLED, decode, members=Membership(("p0",), ("d0", "d1")))
+    chunks, prepared = asyncio.run(run_turn(loop, _turn()))
+    first, moved = decode.generate.calls
+    assert moved.prompt_token_ids == first.prompt_token_ids + (8, 9), "prompt plus the tokens already sent"
+    assert moved.sampling.max_tokens == first.sampling.max_tokens - 2 and moved.handoff is None
+    assert moved.target_replica_id != first.target_replica_id
+    assert [c.token_ids for c in chunks][:3] == [(7,), (8,), (9,)]
+    assert loop.metrics.record_engine_failure.call_args.args == ("reply",)
+
+
+def test_with_no_decode_left_the_reply_continues_on_prefill():
+    decode = DecodeGroup(REPLY, fails_after=1)
+    loop = turn_loop(PREFILLED, decode, members=Membership(("p0",), ("d0",)))
+    chunks, _ = asyncio.run(run_turn(loop, _turn()))
+    moved = loop.groups[Role.PREFILL].generate.calls[0]
+    assert moved.retain is False and moved.target_replica_id == "p0"
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_a_grammar_turn_is_not_moved():
+    loop = turn_loop(PREFILLED, DecodeGroup(REPLY, fails_after=1), members=Membership(("p0",), ("d0", "d1")))
+    with pytest.raises(RuntimeError, match="engine died"):
+        asyncio.run(run_turn(loop, _turn(regex="[0-9 ]+")))
+
+
+def test_no_live_decode_runs_the_whole_turn_on_prefill_and_no_engine_at_all_is_a_503():
+    loop = turn_loop(PREFILLED, DecodeGroup(REPLY), members=Membership(("p0",), ()))
+    chunks, prepared = asyncio.run(run_turn(loop, _turn()))
+    assert prepared.decision.action == Action.RUN_ON_PREFILL and prepared.decision.reason == Reason.NO_DECODE_ALIVE
+    assert loop.groups[Role.PREFILL].prefill.calls == [] and chunks == REPLY
+    down = turn_loop(PREFILLED, DecodeGroup(REPLY), members=Membership())
+    with pytest.raises(NoEngineAlive):
+        asyncio.run(run_turn(down, _turn()))
+
+
+def test_no_live_prefill_runs_the_whole_turn_on_decode():
+    decode = DecodeGroup(REPLY)
+    loop = turn_loop(PREFILLED, decode, members=Membership((), ("d0",)))
+    _, prepared = asyncio.run(run_turn(loop, _turn()))
+    assert prepared.decision.action == Action.PREFILL_ON_DECODE
+    assert prepared.decision.reason == Reason.NO_PREFILL_ALIVE and decode.generate.calls[0].handoff is None
+
+
+def test_a_suspected_replica_is_routed_around_until_its_time_is_up():
+    engines = LiveEngines(suspect_s=10.0)
+    engines.update(Membership(("p0", "p1"), ("d0",)))
+    engines.suspect("p0", now=100.0)
+    assert engines.live(Role.PREFILL, now=105.0) == ["p1"]
+    assert engines.live(Role.PREFILL, now=111.0) == ["p0", "p1"]
+    engines.streams["d0"] = 3
+    assert engines.pick(Role.DECODE, preferred="gone") == "d0"
