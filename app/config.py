@@ -160,7 +160,7 @@ class AppConfig:
     the history, so no prefill hop and no KV transfer. Longer appends go through prefill, so they
     don't stall other conversations' decode steps. 0: every turn goes through prefill. 1000 is
     Dynamo's old default for the same rule; on 2 CPU cores 900-token appends still gained
-    (README, "Measured on this machine")."""
+    (docs/measurements.md, "Measured on this machine")."""
     kv_events: bool = True
     """Engines publish vLLM KV cache events; the KV index subscribes (what each replica holds)."""
     prefix_hash_seed: int = DEFAULT_HASH_SEED

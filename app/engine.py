@@ -5,12 +5,13 @@ into vLLM's kv_transfer_params (and back). Prefill and decode replicas each hold
     KVHandoff ──to_pull_params──▶ kv_transfer_params ──from_vllm_params──▶ KVHandoff
 """
 
+import asyncio
 import os
 import socket
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,9 @@ from app.hashing import HASH_ALGO
 from app.idle_poll import IDLE_POLL_ENV
 from app.nixl_poll import POLL_DELAY_ENV
 from app.protocol import EngineEndpoint, KVHandoff, Role, SamplingSettings
+
+DEAD_ENGINE_POLL_S = 0.1
+"""How often a request waiting on the engine checks that the engine process lives."""
 
 
 @dataclass
@@ -189,6 +193,31 @@ def from_vllm_params(params: dict[str, Any], hold_s: float | None = None) -> KVH
                      engine_expiry=engine_expiry)
 
 
+class EngineDied(RuntimeError):
+    """The engine process died while a request waited on it."""
+
+
+async def while_alive(outputs: AsyncIterator[Any], is_dead: Callable[[], bool], poll_s: float) -> AsyncIterator[Any]:
+    """`outputs`, failing within `poll_s` once `is_dead()`: a request sent just as the engine process
+    dies would otherwise wait for vLLM's own cleanup (seconds) before it learns. Closing this
+    (the caller cancelled) cancels the pending read, which makes vLLM abort the request."""
+    iterator, pending = outputs.__aiter__(), None
+    try:
+        while True:
+            pending = asyncio.ensure_future(iterator.__anext__())
+            while not (await asyncio.wait({pending}, timeout=poll_s))[0]:
+                if is_dead():
+                    raise EngineDied("the engine process died")
+            try:
+                output = pending.result()
+            except StopAsyncIteration:
+                return
+            yield output
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+
+
 class Engine:
     """One in-process vLLM AsyncLLM with a NIXL connector, as prefill or decode."""
 
@@ -211,13 +240,15 @@ class Engine:
 
     def generate(self, request_id: str, prompt_token_ids: tuple[int, ...], cache_salt: str,
                  settings: SamplingSettings, kv_transfer_params: dict[str, Any]) -> AsyncIterator[Any]:
+        """The request's outputs (deltas); EngineDied within DEAD_ENGINE_POLL_S of the engine's death."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params = sampling_params(settings, kv_transfer_params)
         params.output_kind = RequestOutputKind.DELTA
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids), cache_salt=cache_salt)
-        return self.llm.generate(prompt, params, request_id)
+        outputs = self.llm.generate(prompt, params, request_id)
+        return while_alive(outputs, lambda: self.llm.errored, DEAD_ENGINE_POLL_S)
 
     async def release(self, handoff: KVHandoff) -> None:
         """Tell the owner of `handoff` it will not be read, so it frees the blocks now, not at TTL."""

@@ -27,7 +27,7 @@ def start_local(config: AppConfig, num_cpus: int = 4) -> str:
 def start_serve(num_cpus: int = 4, haproxy: bool = True) -> str:
     """A local Ray and Serve with no application yet; returns the ingress URL. `haproxy`: Serve's
     HAProxy ingress, which forwards each request straight to the router replica's own HTTP server;
-    off: Serve's Python proxy actor, one more process each way (README, "Ingress")."""
+    off: Serve's Python proxy actor, one more process each way (docs/measurements.md, "Ingress")."""
     import ray
     from ray import serve
 

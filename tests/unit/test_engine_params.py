@@ -45,3 +45,44 @@ def test_kv_events_and_the_nixl_side_channel_bind_the_node_s_address_only():
     assert transfer["kv_lease_duration"] == int(config.retention_ttl_s)
     prefill = engine_args(config, config.prefill, assign_identity(config, Role.PREFILL, 0, "127.0.0.1"))
     assert prefill.kv_transfer_config.kv_connector_extra_config["kv_lease_duration"] == config.handoff_lease_s
+
+
+def test_a_request_waiting_on_a_dead_engine_fails_at_once_and_a_cancelled_one_cancels_its_read():
+    import asyncio
+
+    import pytest
+
+    from app.engine import EngineDied, while_alive
+
+    async def outputs(cancelled: list):
+        yield "first"
+        try:
+            await asyncio.sleep(3600)  # the engine never answers again
+        except asyncio.CancelledError:
+            cancelled.append(True)  # vLLM aborts the request here
+            raise
+        yield "never"
+
+    async def dies():
+        dead, seen = [], []
+        stream = while_alive(outputs([]), lambda: bool(dead), poll_s=0.01)
+        seen.append(await stream.__anext__())
+        dead.append(True)
+        with pytest.raises(EngineDied):
+            await stream.__anext__()
+        return seen
+
+    async def cancelled_by_caller():
+        cancelled = []
+        stream = while_alive(outputs(cancelled), lambda: False, poll_s=0.01)
+        await stream.__anext__()
+        reader = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await stream.aclose()
+        await asyncio.sleep(0)
+        return cancelled
+
+    assert asyncio.run(dies()) == ["first"]
+    assert asyncio.run(cancelled_by_caller()) == [True]
