@@ -70,9 +70,11 @@ class Limits:
     """Concurrent calls to the KV index actor: each is a short in-memory lookup or record."""
     retry_after_s: int = 2
     """Retry-After on 503s (overload, engines starting, no engine alive)."""
-    bookkeeping_timeout_s: float = 1.0
+    bookkeeping_timeout_s: float = 2.0
     """A KV index call or block release that takes longer is abandoned: the turn goes on without it
-    (recompute instead of pull; the owner's TTL frees the blocks); an index restart never stalls a reply."""
+    (recompute instead of pull; the owner's TTL frees the blocks). A dead index answers at once
+    (Serve knows it is unavailable); this bounds a slow one: on 2 cores with engines starting, the
+    index's calls took over 1 s."""
     prefill_timeout_s: float = 120.0
     """Prefill (or a pull plus prefill) of one turn; past it the client gets 504."""
     first_chunk_timeout_s: float = 120.0

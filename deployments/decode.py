@@ -30,7 +30,7 @@ class DecodeServer(EngineReplica):
         self.prefill = prefill.options(_by_reference=False)
         self.kept: OrderedDict[str, RetainedBlocks] = OrderedDict()
         """What this engine holds for next turns, oldest first (by engine request id)."""
-        self._trim = asyncio.get_event_loop().create_task(self._trim_forever())
+        self._trimmer = asyncio.get_event_loop().create_task(self._trim_forever())
 
     def on_retained(self, retained: RetainedBlocks) -> None:
         self.kept[retained.handoff.request_id] = retained

@@ -8,8 +8,10 @@ from dataclasses import replace
 
 import httpx
 import pytest
+import ray
 
 from app.client import chat_turn
+from app.hashing import common_prefix_len
 from app.launch import replace_app
 from app.tools import faults
 from tests.integration.conftest import SYSTEM_PROMPT, make_client, reference_ids
@@ -28,23 +30,46 @@ def _next(messages: list[dict], turn, user: str) -> list[dict]:
 
 @pytest.mark.parametrize("fault", faults.FAULTS)
 def test_a_fault_between_turns_costs_no_turn_and_no_wrong_token(fault, client, reference, base_url):
-    """Turn 2 goes through the part that was hit (prefill's turns go through prefill)."""
+    """Turn 2 goes through the part that was hit (prefill's turns go through prefill). How long it
+    took is measured by `python -m benchmarks.faults`, not asserted here."""
     through_prefill = {"prefill_on_decode": False} if "prefill" in fault else {}
     messages = _messages(fault)
     first = chat_turn(client, messages, MAX_TOKENS, **through_prefill)
     hit = faults.inject(fault)
-    started = time.monotonic()
-    messages = _next(messages, first, "And then?")
-    second = chat_turn(client, messages, MAX_TOKENS, **through_prefill)
-    served_after_s = time.monotonic() - started
-    new_conversation = chat_turn(client, _messages(f"new after {fault}"), MAX_TOKENS)
-    third = chat_turn(client, _next(messages, second, "Go on."), MAX_TOKENS)
-    turns = [first, second, new_conversation, third]
-    assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
-    assert served_after_s < 5.0, f"turn 2 took {served_after_s:.1f} s after {fault}"
-    if fault == "kill_index":
-        assert faults.wait_until(lambda: faults.health(base_url)["status"] == "ok", 5.0) < 5.0
-    faults.wait_whole(base_url, gone=(hit,))
+    try:
+        messages = _next(messages, first, "And then?")
+        second = chat_turn(client, messages, MAX_TOKENS, **through_prefill)
+        new_conversation = chat_turn(client, _messages(f"new after {fault}"), MAX_TOKENS)
+        third = chat_turn(client, _next(messages, second, "Go on."), MAX_TOKENS)
+        turns = [first, second, new_conversation, third]
+        assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
+        if fault == "kill_index":
+            assert faults.health(base_url)["status"] == "ok", "engines outlive the index"
+    finally:
+        faults.wait_whole(base_url, gone=(hit,))
+
+
+def test_a_decode_engine_that_dies_mid_reply_hands_the_reply_to_another_engine(client, reference, base_url):
+    """SIGKILL decode's engine while it streams: the reply continues elsewhere from the prompt plus
+    the tokens already sent, and the whole reply equals the plain engine's."""
+    long_reply = 200
+    messages = _messages("mid-reply")
+    chunks = client.chat.completions.create(model="tiny-qwen3", messages=messages, max_tokens=long_reply,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                        "prefill_on_decode": False})
+    tokens, prompt, hit = [], None, None
+    for chunk in map(lambda c: c.model_dump(), chunks):
+        prompt = prompt or chunk.get("prompt_token_ids")
+        for choice in chunk["choices"]:
+            tokens += choice.get("token_ids") or []
+        if hit is None and len(tokens) >= 20:
+            hit = faults.sigkill_engine("decode")
+    try:
+        assert hit is not None and len(tokens) == long_reply
+        assert tokens == ray.get(reference.generate.remote([prompt], long_reply))[0]
+    finally:
+        faults.wait_whole(base_url, gone=(hit,) if hit else ())
 
 
 def test_a_client_that_leaves_mid_stream_frees_decode_s_blocks(base_url, app_config):
@@ -78,15 +103,18 @@ def test_a_killed_router_replica_loses_no_conversation(two_routers_small_decode_
     messages = _messages("router")
     turns = [chat_turn(client, messages, MAX_TOKENS)]
     hit = faults.kill_replica("router")
-    for user in ("Next.", "Once more."):
-        messages = _next(messages, turns[-1], user)
-        turns.append(chat_turn(client, messages, MAX_TOKENS))
-    assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
-    for previous, current in zip(turns, turns[1:]):
-        sequence = previous.prompt_ids + previous.output_ids
-        assert current.prompt_ids[:len(sequence)] == sequence, "append-only rendering kept"
-        assert current.cached_tokens >= len(sequence) // 32 * 32 - 32, "the history was reused"
-    faults.wait_whole(base_url, gone=(hit,))
+    try:
+        for user in ("Next.", "Once more."):
+            messages = _next(messages, turns[-1], user)
+            turns.append(chat_turn(client, messages, MAX_TOKENS))
+        assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
+        for k, (previous, current) in enumerate(zip(turns, turns[1:]), start=2):
+            sequence = previous.prompt_ids + previous.output_ids
+            shared = common_prefix_len(current.prompt_ids, sequence)
+            assert shared == len(sequence), f"turn {k} kept {shared} of {len(sequence)} tokens (append-only)"
+            assert current.cached_tokens >= len(sequence) // 32 * 32 - 32, f"turn {k} reused its history"
+    finally:
+        faults.wait_whole(base_url, gone=(hit,))
 
 
 def test_retained_sequences_yield_the_decode_pool_to_new_requests(two_routers_small_decode_pool, base_url,
@@ -97,7 +125,8 @@ def test_retained_sequences_yield_the_decode_pool_to_new_requests(two_routers_sm
     client = make_client(base_url)
     histories = [_messages(f"pool {i}") for i in range(10)]
     started = time.monotonic()
-    with ThreadPoolExecutor(len(histories)) as pool:
+    with ThreadPoolExecutor(len(histories) + 1) as pool:
+        health = pool.submit(lambda: [_timed_health(base_url) for _ in range(20)])
         first = list(pool.map(lambda m: chat_turn(client, m, MAX_TOKENS), histories))
         status = faults.engine_status("decode")
         budget = int(status.pool_blocks * config.limits.retained_pool_share)
@@ -109,4 +138,12 @@ def test_retained_sequences_yield_the_decode_pool_to_new_requests(two_routers_sm
     assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
     assert sum(len(t.prompt_ids) for t in first) // config.block_size > status.pool_blocks, "more than fits"
     assert trimmed_in_s < 3.0
+    assert max(health.result()) < 1.0, "/health never queues behind streams"
     assert elapsed_s < 60, f"turns waited on retained blocks ({elapsed_s:.0f} s)"
+
+
+def _timed_health(base_url: str) -> float:
+    started = time.monotonic()
+    assert httpx.get(f"{base_url}/health", timeout=5).status_code == 200
+    time.sleep(0.2)
+    return time.monotonic() - started - 0.2

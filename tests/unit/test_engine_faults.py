@@ -76,3 +76,17 @@ def test_a_suspected_replica_is_routed_around_until_its_time_is_up():
     assert engines.live(Role.PREFILL, now=111.0) == ["p0", "p1"]
     engines.streams["d0"] = 3
     assert engines.pick(Role.DECODE, preferred="gone") == "d0"
+
+
+def test_a_stage_that_does_not_answer_in_time_is_a_timeout_not_a_hang():
+    from app.config import Limits
+    from app.turn import StageTimeout
+
+    class Hangs:
+        def remote(self, _):
+            return asyncio.sleep(3600)
+
+    loop = turn_loop(PREFILLED, DecodeGroup(REPLY), limits=Limits(prefill_timeout_s=0.05))
+    loop.groups[Role.PREFILL].prefill = Hangs()
+    with pytest.raises(StageTimeout, match="prefill did not answer within 0.05 s"):
+        asyncio.run(run_turn(loop, _turn()))
