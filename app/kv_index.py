@@ -63,9 +63,13 @@ class KVIndex:
         return sorted(r.replica_id for r in self.replicas.values() if r.role == role)
 
     # ---- decode's retained sequences -------------------------------------------------------
-    def record_retained(self, salt: str, retained: RetainedBlocks) -> None:
+    def retained_hashes(self, salt: str, retained: RetainedBlocks) -> list[bytes]:
+        return block_hashes(list(retained.token_ids), self.block_size, salt, self.hash_seed)
+
+    def record_retained(self, salt: str, retained: RetainedBlocks, hashes: list[bytes] | None = None) -> None:
+        """`hashes`: the sequence's block hashes, if the caller computed them already."""
         key = (retained.replica_id, retained.handoff.request_id)
-        hashes = block_hashes(list(retained.token_ids), self.block_size, salt, self.hash_seed)
+        hashes = self.retained_hashes(salt, retained) if hashes is None else hashes
         self._sequences[key] = retained
         self._sequence_hashes[key] = hashes
         for h in hashes:

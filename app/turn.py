@@ -194,8 +194,9 @@ class TurnLoop:
 
     # ---- one turn ------------------------------------------------------------------------------------
     async def prepare(self, turn: Turn, ledger: TurnLedger) -> PreparedTurn:
-        hashes = block_hashes(list(turn.prompt_token_ids), self.config.block_size, turn.cache_salt,
-                              self.config.prefix_hash_seed)
+        # Off the event loop: a long prompt's hashes would stall every other stream of this router.
+        hashes = await asyncio.to_thread(block_hashes, list(turn.prompt_token_ids), self.config.block_size,
+                                         turn.cache_salt, self.config.prefix_hash_seed)
         ledger.hashes = hashes
         started = time.perf_counter()
         decision = await self._plan(turn, hashes, ledger)
@@ -222,7 +223,9 @@ class TurnLoop:
                 self._finish(ledger, first.retained)
                 return
         stream = ledger.open_stream = prepared.reply or self._continue(self._decode_request(prepared))
-        waiting, started, sent = prepared.reply is None, time.perf_counter(), []
+        # `sent`: what this stream has produced. A turn computed where it decodes already streamed `first`.
+        waiting, started = prepared.reply is None, time.perf_counter()
+        sent = [] if waiting or first is None else list(first.token_ids)
         for _ in range(MAX_ATTEMPTS):
             try:
                 async for chunk in self._chunks(stream, "first decode chunk" if waiting else "reply stream"):

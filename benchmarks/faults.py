@@ -36,6 +36,8 @@ class FaultRun:
     """503s with Retry-After (allowed only while no engine at all can serve)."""
     errors: list[str] = field(default_factory=list)
     wrong_tokens: int = 0
+    wrong_turns: list[str] = field(default_factory=list)
+    """Request ids of answered turns whose tokens differ from the plain engine's."""
     injected_at: float = 0.0
     whole_after_s: float = 0.0
 
@@ -93,8 +95,11 @@ def run_fault(url: str, fault: str, conversations: int, window_s: float) -> Faul
 def check(reference, run: FaultRun) -> None:
     turns = [t for _, t in run.answered]
     expected = ray.get(reference.generate.remote([t.prompt_ids for t in turns], MAX_TOKENS))
-    run.wrong_tokens = sum(sum(a != b for a, b in zip(t.output_ids, e)) + abs(len(t.output_ids) - len(e))
-                           for t, e in zip(turns, expected))
+    for turn, tokens in zip(turns, expected):
+        wrong = sum(a != b for a, b in zip(turn.output_ids, tokens)) + abs(len(turn.output_ids) - len(tokens))
+        if wrong:
+            run.wrong_tokens += wrong
+            run.wrong_turns.append(turn.request_id)
 
 
 def report(runs: list[FaultRun]) -> str:
@@ -122,7 +127,7 @@ def main() -> None:
             run = run_fault(url, fault, args.conversations, args.window_s)
             check(reference, run)
             runs.append(run)
-            print(report([run]).splitlines()[-1], *run.errors[:3], sep="\n  ", flush=True)
+            print(report([run]).splitlines()[-1], *run.errors[:3], *run.wrong_turns, sep="\n  ", flush=True)
         print(report(runs))
     finally:
         stop_local()

@@ -10,7 +10,13 @@ from app.hashing import common_prefix_len
 from app.launch import APP_NAME
 from app.protocol import EngineEndpoint, KVHandoff, RetainedBlocks
 from app.tenants import cache_salt
-from tests.integration.conftest import SYSTEM_PROMPT, USER_TURNS, decisions_by_request, run_conversation
+from tests.integration.conftest import (
+    SYSTEM_PROMPT,
+    USER_TURNS,
+    decisions_by_request,
+    reference_ids,
+    run_conversation,
+)
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 24
@@ -196,3 +202,39 @@ def test_a_stale_record_sends_a_short_append_to_decode_which_recomputes_what_it_
     assert decisions_by_request(http)[record.request_id]["action"] == "prefill_on_decode"
     assert record.cached_tokens == 0
     assert record.output_ids == ray.get(reference.generate.remote([record.prompt_ids], MAX_TOKENS))[0]
+
+
+def test_concurrent_branches_of_one_history_never_read_the_same_retained_blocks(client, http, reference):
+    """Two turns that branch from one history arrive together (prefill's cache is off): one owns
+    the retained sequence and pulls it, the other recomputes; both answer right. Before the atomic
+    take, both pulled the same sequence and the second read blocks vLLM had already freed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for round_ in range(4):
+        messages = _fresh_conversation(f"branch {round_}")
+        first = chat_turn(client, messages, MAX_TOKENS, prefill_on_decode=False)
+        history = messages + [{"role": "assistant", "content": first.text}]
+        branches = [history + [{"role": "user", "content": f"Branch {b} of round {round_}."}] for b in "AB"]
+        with ThreadPoolExecutor(2) as pool:
+            turns = list(pool.map(lambda m: chat_turn(client, m, MAX_TOKENS, prefill_on_decode=False), branches))
+        assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
+        actions = sorted(decisions_by_request(http)[t.request_id]["action"] for t in turns)
+        assert actions == ["pull", "recompute"], "one owner pulls; the other finds nothing to pull"
+
+
+def test_a_decode_that_starts_reading_late_still_finds_prefill_s_blocks(reference, app_config):
+    """Prefill holds a handoff for `handoff_lease_s` (120 s), and decode's heartbeats extend it well
+    inside each extension; vLLM's default lease (30 s) would have freed these blocks already."""
+    import ray
+
+    from app.protocol import DecodeRequest, PrefillRequest, SamplingSettings
+
+    prompt = tuple(11 + (5 * i) % 991 for i in range(10 * app_config.block_size + 7))
+    greedy = SamplingSettings(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prefill = serve.get_deployment_handle("prefill", APP_NAME)
+    result = prefill.prefill.remote(PrefillRequest("late-p", prompt, cache_salt("default"), "")).result()
+    time.sleep(35)
+    decode = serve.get_deployment_handle("decode", APP_NAME).options(stream=True)
+    request = DecodeRequest("late-d", prompt, cache_salt("default"), greedy, handoff=result.handoff, retain=False)
+    tokens = [t for chunk in decode.generate.remote(request) for t in chunk.token_ids]
+    assert tokens == ray.get(reference.generate.remote([list(prompt)], 8))[0]

@@ -2,6 +2,7 @@
 (fakes for the deployments; the real faults are in tests/integration/test_faults.py)."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -90,3 +91,21 @@ def test_a_stage_that_does_not_answer_in_time_is_a_timeout_not_a_hang():
     loop.groups[Role.PREFILL].prefill = Hangs()
     with pytest.raises(StageTimeout, match="prefill did not answer within 0.05 s"):
         asyncio.run(run_turn(loop, _turn()))
+
+
+def test_a_turn_on_decode_moved_mid_reply_keeps_the_tokens_it_already_sent():
+    """The whole turn ran on decode: its first chunk came from the same stream, so the moved
+    request's prompt must include it too (or the client would get it twice)."""
+    from app.protocol import PrefixLookup, RetainedMatch
+    from tests.factories import retained
+
+    history = list(range(96))
+    prompt = tuple(history + [7] * 4)
+    lookup = PrefixLookup(prefill_cached_tokens={"p0": 0},
+                          retained=RetainedMatch(retained(history, time.time() + 60), len(history) // 32))
+    decode = DecodeGroup(REPLY, fails_after=2)
+    loop = turn_loop(PREFILLED, decode, lookup, members=Membership(("p0",), ("d0", "d1")))
+    chunks, prepared = asyncio.run(run_turn(loop, Turn("t", prompt, "salt", SamplingSettings(max_tokens=5))))
+    assert prepared.decision.action == Action.PREFILL_ON_DECODE
+    whole, moved = decode.generate.calls
+    assert moved.prompt_token_ids == prompt + (8, 9) and moved.sampling.max_tokens == 3
