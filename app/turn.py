@@ -231,7 +231,8 @@ class TurnLoop:
                 async for chunk in self._chunks(stream, "first decode chunk" if waiting else "reply stream"):
                     if waiting and chunk.token_ids:
                         prepared.log_entry["decode_first_token_ms"] = round((time.perf_counter() - started) * 1e3, 2)
-                        ledger.handoff_read = True
+                        # Read unless the reply moved to an engine that computed the prompt itself.
+                        ledger.handoff_read = stream.request.handoff is not None
                         if first is None:
                             self._first_token_sent(prepared)
                         waiting = False

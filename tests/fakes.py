@@ -36,15 +36,18 @@ class Response:
 
 class DecodeGroup:
     """Streams `chunks` for every request; with `fails_prompts`, a request that asks decode to
-    compute the prompt itself (no handoff) fails before its first chunk; with `fails_after`, every
-    stream fails after that many chunks."""
+    compute the prompt itself (no handoff) fails before its first chunk; with `fails_after`, the
+    first stream fails after that many chunks (its engine died; the next engine lives)."""
 
     def __init__(self, chunks: list[ReplyChunk], fails_prompts: bool = False, fails_after: int | None = None) -> None:
+        streams = []
+
         async def stream(request):
+            streams.append(request)
             if fails_prompts and request.handoff is None:
                 raise RuntimeError("decode replica is gone")
             for i, chunk in enumerate(chunks):
-                if fails_after is not None and i == fails_after:
+                if fails_after is not None and i == fails_after and len(streams) == 1:
                     raise RuntimeError("engine died")
                 yield chunk
         self.chunks = chunks

@@ -109,3 +109,11 @@ def test_a_turn_on_decode_moved_mid_reply_keeps_the_tokens_it_already_sent():
     assert prepared.decision.action == Action.PREFILL_ON_DECODE
     whole, moved = decode.generate.calls
     assert moved.prompt_token_ids == prompt + (8, 9) and moved.sampling.max_tokens == 3
+
+
+def test_prefill_s_handoff_is_released_when_the_reply_moved_before_decode_read_it():
+    decode = DecodeGroup(REPLY, fails_after=0)
+    loop = turn_loop(PREFILLED, decode, members=Membership(("p0",), ("d0", "d1")))
+    asyncio.run(run_turn(loop, _turn()))
+    assert decode.generate.calls[1].handoff is None, "the moved reply computed its prompt itself"
+    assert decode.release.calls == [PREFILLED.handoff], "nobody read prefill's blocks: released at once"
