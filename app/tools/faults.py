@@ -44,11 +44,24 @@ def engine_status(deployment: str) -> EngineStatus:
     return serve.get_deployment_handle(deployment, APP_NAME).status.remote().result(timeout_s=30)
 
 
+def engine_pids(deployment: str) -> list[int]:
+    """The vLLM engine-core processes under a replica's actor, found from the process tree (no call
+    to the replica, which may be busy or being replaced)."""
+    import psutil
+    from ray._private.state import actors  # the GCS's actor table: no dashboard needed
+
+    name = replica_names(deployment)[0]
+    pid = next(a["Pid"] for a in actors().values() if a["Name"] == name and a["State"] == "ALIVE")
+    children = psutil.Process(pid).children(recursive=True)
+    return [c.pid for c in children if "EngineCore" in " ".join([c.name(), *c.cmdline()])]
+
+
 def sigkill_engine(deployment: str) -> str:
     """SIGKILL the vLLM engine-core process of a replica (the replica lives on, its engine dead);
     returns the replica's actor name (Serve replaces the replica once its health check fails)."""
-    os.kill(engine_status(deployment).engine_pids[0], signal.SIGKILL)
-    return replica_names(deployment)[0]
+    name = replica_names(deployment)[0]
+    os.kill(engine_pids(deployment)[0], signal.SIGKILL)
+    return name
 
 
 def inject(fault: str) -> str:

@@ -32,6 +32,7 @@ def _next(messages: list[dict], turn, user: str) -> list[dict]:
 def test_a_fault_between_turns_costs_no_turn_and_no_wrong_token(fault, client, reference, base_url):
     """Turn 2 goes through the part that was hit (prefill's turns go through prefill). How long it
     took is measured by `python -m benchmarks.faults`, not asserted here."""
+    faults.wait_whole(base_url)  # whatever ran before, start from a whole app
     through_prefill = {"prefill_on_decode": False} if "prefill" in fault else {}
     messages = _messages(fault)
     first = chat_turn(client, messages, MAX_TOKENS, **through_prefill)
@@ -52,6 +53,7 @@ def test_a_fault_between_turns_costs_no_turn_and_no_wrong_token(fault, client, r
 def test_a_decode_engine_that_dies_mid_reply_hands_the_reply_to_another_engine(client, reference, base_url):
     """SIGKILL decode's engine while it streams: the reply continues elsewhere from the prompt plus
     the tokens already sent, and the whole reply equals the plain engine's."""
+    faults.wait_whole(base_url)
     long_reply = 200
     messages = _messages("mid-reply")
     chunks = client.chat.completions.create(model="tiny-qwen3", messages=messages, max_tokens=long_reply,
@@ -98,8 +100,10 @@ def two_routers_small_decode_pool(app_config, base_url):
 
 def test_a_killed_router_replica_loses_no_conversation(two_routers_small_decode_pool, base_url, reference):
     """Two router replicas share conversation records through the index: the turn after one of
-    them dies keeps its append-only rendering and its reuse."""
-    client = make_client(base_url)
+    them dies keeps its append-only rendering and its reuse. The requests in flight on the dead
+    replica die with its connections; the official client retries a failed connection (its default,
+    two retries), as users run it."""
+    client = make_client(base_url).with_options(max_retries=2)
     messages = _messages("router")
     turns = [chat_turn(client, messages, MAX_TOKENS)]
     hit = faults.kill_replica("router")

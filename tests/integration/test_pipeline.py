@@ -229,7 +229,7 @@ def test_a_decode_that_starts_reading_late_still_finds_prefill_s_blocks(referenc
 
     from app.protocol import DecodeRequest, PrefillRequest, SamplingSettings
 
-    prompt = tuple(11 + (5 * i) % 991 for i in range(10 * app_config.block_size + 7))
+    prompt = tuple(11 + (5 * i) % 887 for i in range(10 * app_config.block_size + 7))  # inside the vocabulary
     greedy = SamplingSettings(max_tokens=8, temperature=0.0, ignore_eos=True)
     prefill = serve.get_deployment_handle("prefill", APP_NAME)
     result = prefill.prefill.remote(PrefillRequest("late-p", prompt, cache_salt("default"), "")).result()
