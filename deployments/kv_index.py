@@ -75,9 +75,7 @@ class KVIndexServer:
         return self.index.forget_retained(key)
 
     async def record_retained(self, salt: str, retained: RetainedBlocks) -> None:
-        # Hash in a thread: a long sequence would hold every other caller of the index meanwhile.
-        hashes = await asyncio.to_thread(self.index.retained_hashes, salt, retained)
-        self.index.record_retained(salt, retained, hashes)
+        self.index.record_retained(salt, retained)
 
     async def record_prefill(self, replica_id: str, hashes: list[bytes]) -> None:
         self.index.record_prefill(replica_id, hashes)
