@@ -38,24 +38,41 @@ def chat_turn(client: OpenAI, messages: list[dict], max_tokens: int, stream: boo
               model: str = "tiny-qwen3", **extra: Any) -> TurnResult:
     body = {"return_token_ids": True, "ignore_eos": True, **extra}
     kwargs = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=0, extra_body=body)
+    if stream:
+        return _streamed(client.chat.completions.create, kwargs, lambda choice: choice["delta"]["content"])
     start = time.perf_counter()
-    if not stream:
-        response = client.chat.completions.create(**kwargs).model_dump()
-        elapsed = time.perf_counter() - start
-        choice = response["choices"][0]
-        return TurnResult(response["id"], response.get("prompt_token_ids") or [], choice.get("token_ids") or [],
-                          choice["message"]["content"], _cached(response["usage"]), ttft_s=elapsed, e2e_s=elapsed,
-                          prompt_tokens=response["usage"]["prompt_tokens"])
+    response = client.chat.completions.create(**kwargs).model_dump()
+    elapsed = time.perf_counter() - start
+    choice = response["choices"][0]
+    return TurnResult(response["id"], response.get("prompt_token_ids") or [], choice.get("token_ids") or [],
+                      choice["message"]["content"], _cached(response["usage"]), ttft_s=elapsed, e2e_s=elapsed,
+                      prompt_tokens=response["usage"]["prompt_tokens"])
+
+
+def completion_turn(client: OpenAI, prompt_ids: list[int], max_tokens: int, model: str = "tiny-qwen3",
+                    **extra: Any) -> TurnResult:
+    """A streamed, greedy completion of exactly these prompt token ids (no chat template)."""
+    body = {"return_token_ids": True, "ignore_eos": True, **extra}
+    kwargs = dict(model=model, prompt=prompt_ids, max_tokens=max_tokens, temperature=0, extra_body=body)
+    return _streamed(client.completions.create, kwargs, lambda choice: choice["text"])
+
+
+def _streamed(create, kwargs: dict[str, Any], content_of) -> TurnResult:
+    """Timings from the client's side: the first and the last chunk that carries content."""
     chunks, ttft, last = [], None, 0.0
-    for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
-        if chunk.choices and chunk.choices[0].delta.content:
+    start = time.perf_counter()
+    for chunk in create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        dumped = chunk.model_dump()
+        if dumped["choices"] and content_of(dumped["choices"][0]):
             last = time.perf_counter() - start
             ttft = last if ttft is None else ttft
-        chunks.append(chunk.model_dump())
-    deltas = [c for c in chunks if c["choices"]]
+        chunks.append(dumped)
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
     usage = chunks[-1]["usage"]
-    return TurnResult(chunks[0]["id"], next((c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")), []),
-                      [t for c in deltas for t in c["choices"][0].get("token_ids") or []],
-                      "".join(c["choices"][0]["delta"]["content"] or "" for c in deltas), _cached(usage),
+    # chat carries the prompt's ids on a chunk, completions on a choice
+    prompt_ids = next((ids for c in chunks for ids in (c.get("prompt_token_ids"), *(ch.get("prompt_token_ids")
+                                                                                 for ch in c["choices"])) if ids), [])
+    return TurnResult(chunks[0]["id"], prompt_ids, [t for ch in choices for t in ch.get("token_ids") or []],
+                      "".join(content_of(ch) or "" for ch in choices), _cached(usage),
                       ttft_s=ttft if ttft is not None else time.perf_counter() - start,
                       e2e_s=time.perf_counter() - start, prompt_tokens=usage["prompt_tokens"], last_token_s=last)

@@ -118,6 +118,117 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where each turn's prompt is computed: a prefill replica or the decode replica that streams
+    the reply, whichever is estimated to give the first token sooner (app/placement.py)."""
+
+    load_aware: bool = True
+    """Off: only a short append to a sequence decode retains runs on decode (the fixed rule)."""
+    itl_weight: float = 0.05
+    """A prompt computed on decode stalls each of its running streams for as long as it takes;
+    one stream's stall counts this much against the new turn's wait (0.05: 20 streams stalled
+    for x weigh as much as the turn waiting x longer)."""
+    kv_high_watermark: float = 0.9
+    """No prompt is computed on a decode replica whose KV pool is fuller than this (vLLM's usage)."""
+    prior_pull_share: float = 0.05
+    """Until an engine has measured a transfer, a pulled token costs this share of a computed one."""
+    probe_tokens: int = 256
+    """Each engine times a prefill of this many tokens at start: its first measured compute cost."""
+
+    def __post_init__(self) -> None:
+        failed = [f"placement.{name} must be >= 0" for name in ("itl_weight", "prior_pull_share")
+                  if getattr(self, name) < 0]
+        if not 0 < self.kv_high_watermark <= 1:
+            failed.append("placement.kv_high_watermark must lie in (0, 1]")
+        if self.probe_tokens < 32:
+            failed.append("placement.probe_tokens must be >= 32 (shorter prefills are not measured)")
+        if failed:
+            raise ValueError("invalid config: " + "; ".join(failed))
+
+
+@dataclass(frozen=True)
+class ScalingBounds:
+    """Ray Serve autoscaling of one group (app/autoscaling.py); off, the group keeps its fixed count."""
+
+    enabled: bool = False
+    """On: Serve starts the group's configured replica count and scales it within these bounds."""
+    min_replicas: int = 1
+    max_replicas: int = 2
+    upscale_delay_s: float = 30.0
+    """How long the load must ask for more replicas before one starts. An engine takes 40-70 s to
+    start on 2 cores: a burst shorter than that is better queued than answered with a replica."""
+    downscale_delay_s: float = 300.0
+    """How long the load must ask for fewer before a replica stops; a stopped engine replica takes
+    its prefix cache and the sequences it retains with it (reuse lost, not correctness)."""
+    metrics_interval_s: float = 10.0
+    """How often each replica sends its metrics to Serve's controller (Serve's default)."""
+    look_back_period_s: float = 30.0
+    """Serve averages each replica's metrics over this window before the policy reads them."""
+
+    def problems(self) -> list[str]:
+        failed = [] if 1 <= self.min_replicas <= self.max_replicas else ["1 <= min_replicas <= max_replicas"]
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
+            failed.append("upscale_delay_s and downscale_delay_s must be >= 0")
+        if not 0 < self.metrics_interval_s < self.look_back_period_s:
+            failed.append("0 < metrics_interval_s < look_back_period_s")
+        return failed
+
+
+@dataclass(frozen=True)
+class PrefillScaling(ScalingBounds):
+    target_queued_tokens: int = 4096
+    """Queued prefill tokens per replica (prompt tokens in calls not yet prefilled, less pulled
+    ones). A new prompt waits about queued tokens / the replica's prefill rate: four 1,000-token
+    prompts here; set it from the TTFT budget and a measured prefill rate."""
+
+    def problems(self) -> list[str]:
+        return super().problems() + ([] if self.target_queued_tokens > 0 else ["target_queued_tokens must be > 0"])
+
+
+@dataclass(frozen=True)
+class DecodeScaling(ScalingBounds):
+    target_sequences: int = 64
+    """Sequences (running and waiting) per decode engine: the batch whose inter-token latency you
+    accept; measure it."""
+    target_kv_cache_usage: float = 0.8
+    """KV pool usage per decode engine (vLLM's); above limits.retained_pool_share, so sequences kept
+    for next turns alone never hold a replica up."""
+
+    def problems(self) -> list[str]:
+        failed = [] if self.target_sequences > 0 else ["target_sequences must be > 0"]
+        if not 0 < self.target_kv_cache_usage <= 1:
+            failed.append("target_kv_cache_usage must lie in (0, 1]")
+        return super().problems() + failed
+
+
+@dataclass(frozen=True)
+class RouterScaling(ScalingBounds):
+    target_ongoing_requests: int = 128
+    """Requests per router replica (Serve's built-in policy); a stream holds its request until
+    [DONE]. Half of limits.router_max_ongoing_requests: the next replica starts before the queue."""
+
+    def problems(self) -> list[str]:
+        failed = [] if self.target_ongoing_requests > 0 else ["target_ongoing_requests must be > 0"]
+        return super().problems() + failed
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    """Each group on its own signal: prefill on queued prefill tokens, decode on sequences and KV
+    usage, the router on ongoing requests. All off by default (fixed replica counts)."""
+
+    prefill: PrefillScaling = PrefillScaling()
+    decode: DecodeScaling = DecodeScaling()
+    router: RouterScaling = RouterScaling()
+
+    def __post_init__(self) -> None:
+        failed = [f"autoscaling.{group}: {problem}" for group in ("prefill", "decode", "router")
+                  for problem in getattr(self, group).problems()]
+        if failed:
+            raise ValueError("invalid config: " + "; ".join(failed))
+
+
+@dataclass(frozen=True)
 class AppConfig:
     model: str = TINY_MODEL
     """Model path or hub id; "tiny-qwen3" builds the embedded random-weight model on first start."""
@@ -156,13 +267,15 @@ class AppConfig:
     long an idle block survives its pool under the current load) is at least this long. Under a
     shorter horizon they may be evicted before the turn runs, so decode's retained sequence is
     pulled whenever it covers them (vLLM's prefill then reads only the blocks it lacks)."""
-    max_decode_prefill_tokens: int = 1000
-    """A later turn that adds at most this many tokens to what a decode replica retains of the
-    conversation runs whole on that replica (conditional disaggregation): its prefix cache holds
-    the history, so no prefill hop and no KV transfer. Longer appends go through prefill, so they
-    don't stall other conversations' decode steps. 0: every turn goes through prefill. 1000 is
-    Dynamo's old default for the same rule; on 2 CPU cores 900-token appends still gained
-    (docs/measurements.md, "Measured on this machine")."""
+    max_decode_prefill_tokens: int = 2048
+    """The most prompt tokens a decode replica computes for one turn: each of its streams stalls
+    while it does. A later turn adding at most this many tokens to what decode retains of the
+    conversation may run whole there (its prefix cache holds the history: no prefill hop, no KV
+    transfer); with load-aware placement a first turn this short may too, when decode is estimated
+    to answer sooner. Under the fixed rule (placement.load_aware off) such an append always runs on
+    decode. 0: every turn goes through prefill. 2048: one CPU engine step's worth of tokens; on 2
+    cores 900-token appends gained under the fixed rule (docs/measurements.md)."""
+    placement: Placement = Placement()
     kv_events: bool = True
     """Engines publish vLLM KV cache events; the KV index subscribes (what each replica holds)."""
     prefix_hash_seed: int = DEFAULT_HASH_SEED
@@ -200,6 +313,9 @@ class AppConfig:
     """Records kept per router replica (LRU beyond that)."""
     router_replicas: int = 1
     """HTTP ingress replicas; they share conversation records through the KV index."""
+    autoscaling: Autoscaling = Autoscaling()
+    """Per group, off by default; on, a group starts at its replica count (`prefill.replicas`,
+    `decode.replicas`, `router_replicas`) and Serve scales it within the group's bounds."""
     limits: Limits = Limits()
     api_keys: Mapping[str, str] = field(default_factory=dict)
     """API key -> tenant. Empty: every request is tenant "default". Set: unknown keys get 401."""
@@ -227,6 +343,16 @@ class AppConfig:
             "a num_gpu_blocks_override pool must hold max_model_len tokens plus one block": all(
                 g.num_gpu_blocks_override == 0 or g.num_gpu_blocks_override * self.block_size > self.max_model_len
                 for g in (self.prefill, self.decode)),
+            "an autoscaled group's replica count (where it starts) must lie within its min and max replicas": all(
+                not s.enabled or s.min_replicas <= n <= s.max_replicas for s, n in (
+                    (self.autoscaling.prefill, self.prefill.replicas), (self.autoscaling.decode, self.decode.replicas),
+                    (self.autoscaling.router, self.router_replicas))),
+            "autoscaling.decode.target_kv_cache_usage must exceed limits.retained_pool_share":
+                not self.autoscaling.decode.enabled
+                or self.autoscaling.decode.target_kv_cache_usage > self.limits.retained_pool_share,
+            "autoscaling.router.target_ongoing_requests must not exceed limits.router_max_ongoing_requests":
+                not self.autoscaling.router.enabled
+                or self.autoscaling.router.target_ongoing_requests <= self.limits.router_max_ongoing_requests,
         }
         failed = [msg for msg, ok in checks.items() if not ok]
         if failed:

@@ -12,30 +12,57 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config import AppConfig, Device, EngineGroupConfig
 from app.hashing import HASH_ALGO
 from app.idle_poll import IDLE_POLL_ENV
+from app.metrics import kv_bytes_per_token
 from app.nixl_poll import POLL_DELAY_ENV
-from app.protocol import EngineEndpoint, KVHandoff, Role, SamplingSettings
+from app.protocol import EngineEndpoint, KVHandoff, LoadReport, Role, SamplingSettings
 
 DEAD_ENGINE_POLL_S = 0.1
 """How often a request waiting on the engine checks that the engine process lives."""
 
 
-@dataclass
-class EngineLoad:
-    """The engine's latest scheduler stats (vLLM's own numbers, refreshed every engine step)."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
+MIN_MEASURED_TOKENS = 32
+"""A prefill measures the engine's compute cost only when it computed at least this many tokens."""
+COST_SMOOTHING = 0.2
 
 
-def load_logger_factory(load: EngineLoad):
-    """A vLLM stat-logger factory that copies each step's scheduler stats into `load`."""
+class LoadTracker:
+    """Keeps the engine's LoadReport current: vLLM's scheduler stats every step, its finished
+    prefills and its NIXL transfers for the measured costs."""
+
+    def __init__(self, kv_bytes_per_token: int) -> None:
+        self.report = LoadReport()
+        self.kv_bytes_per_token = kv_bytes_per_token
+
+    def observe_step(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+        self.report = replace(self.report, num_running_reqs=running, num_waiting_reqs=waiting,
+                              kv_cache_usage=kv_cache_usage)
+
+    def observe_prefill(self, seconds: float, computed_tokens: int) -> None:
+        if computed_tokens >= MIN_MEASURED_TOKENS and seconds > 0:
+            cost = _smoothed(self.report.compute_s_per_token, seconds / computed_tokens)
+            self.report = replace(self.report, compute_s_per_token=cost)
+
+    def observe_transfers(self, stats: dict[str, Any]) -> None:
+        """NIXL's transfer telemetry of this engine's reads (durations in s, sizes in bytes)."""
+        moved = sum(stats.get("bytes_transferred") or ())
+        if moved and self.kv_bytes_per_token:
+            seconds = sum(stats.get("transfer_duration") or ())
+            cost = _smoothed(self.report.pull_s_per_token, seconds / (moved / self.kv_bytes_per_token))
+            self.report = replace(self.report, pull_s_per_token=cost)
+
+
+def _smoothed(previous: float, sample: float) -> float:
+    return sample if previous == 0 else previous + COST_SMOOTHING * (sample - previous)
+
+
+def load_logger_factory(load: LoadTracker):
+    """A vLLM stat-logger factory that feeds each step's stats to `load`."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class LoadLogger(StatLoggerBase):
@@ -44,9 +71,12 @@ def load_logger_factory(load: EngineLoad):
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
             if scheduler_stats is not None:
-                load.num_running_reqs = scheduler_stats.num_running_reqs
-                load.num_waiting_reqs = scheduler_stats.num_waiting_reqs
-                load.kv_cache_usage = scheduler_stats.kv_cache_usage
+                load.observe_step(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
+                                  scheduler_stats.kv_cache_usage)
+                if scheduler_stats.kv_connector_stats:
+                    load.observe_transfers(scheduler_stats.kv_connector_stats)
+            for finished in iteration_stats.finished_requests if iteration_stats else ():
+                load.observe_prefill(finished.prefill_time, finished.num_prompt_tokens - finished.num_cached_tokens)
 
         def log_engine_initialized(self) -> None:
             pass
@@ -82,9 +112,11 @@ def free_port(host: str) -> int:
 
 
 def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> EngineIdentity:
-    """A unique engine id and side-channel port per replica; a core of its own where there is one."""
-    engine_index = rank if role == Role.PREFILL else config.prefill.replicas + rank
+    """A unique engine id and side-channel port per replica; a core of its own where there is one.
+    Prefill takes cores from the first up, decode from the last down: replicas that autoscaling
+    adds to either group meet the other group's only when every core has an engine."""
     cores = os.cpu_count() or 1
+    engine_index = rank if role == Role.PREFILL else cores - 1 - rank
     core = engine_index % cores if config.device == Device.CPU and config.bind_engine_cores else None
     return EngineIdentity(role=role, engine_id=f"{role.value}-{rank}-{uuid.uuid4().hex[:8]}",
                           host=host, port=free_port(host), events_port=free_port(host), cpu_core=core)
@@ -230,13 +262,18 @@ class Engine:
         os.environ.update(engine_env(config, group, self.identity))
         self.endpoint = EngineEndpoint(engine_id=self.identity.engine_id, host=host,
                                        port=self.identity.port, tp_size=config.tensor_parallel_size)
-        self.load = EngineLoad()
+        self.tracker = LoadTracker(kv_bytes_per_token(config.model_path()))
         # RayPrometheusStatLogger: vLLM's own metrics through Ray's endpoint (the dashboard's engine panels).
         self.llm = AsyncLLM.from_engine_args(engine_args(config, group, self.identity),
-                                             stat_loggers=[load_logger_factory(self.load), RayPrometheusStatLogger])
+                                             stat_loggers=[load_logger_factory(self.tracker), RayPrometheusStatLogger])
         cache = self.llm.vllm_config.cache_config
         self.pool_blocks = cache.num_gpu_blocks or 0
         self.pool_tokens = self.pool_blocks * cache.block_size
+
+    @property
+    def load(self) -> LoadReport:
+        """The engine's load and measured costs as of its last step."""
+        return self.tracker.report
 
     def generate(self, request_id: str, prompt_token_ids: tuple[int, ...], cache_salt: str,
                  settings: SamplingSettings, kv_transfer_params: dict[str, Any]) -> AsyncIterator[Any]:
@@ -249,6 +286,19 @@ class Engine:
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids), cache_salt=cache_salt)
         outputs = self.llm.generate(prompt, params, request_id)
         return while_alive(outputs, lambda: self.llm.errored, DEAD_ENGINE_POLL_S)
+
+    async def probe_compute_cost(self, num_tokens: int) -> None:
+        """Time two prefills of `num_tokens` fresh tokens (the second: no first-call costs) and seed
+        the measured compute cost with it, so placement has a number before any real turn."""
+        settings = SamplingSettings(max_tokens=1, temperature=0.0)
+        for _ in range(2):
+            salt = uuid.uuid4().hex  # nothing cached, nothing shared with real requests
+            prompt = tuple(range(1, num_tokens + 1))
+            started = time.perf_counter()
+            async for _output in self.generate(f"probe-{salt}", prompt, salt, settings, {}):
+                pass
+            seconds = time.perf_counter() - started
+        self.tracker.report = replace(self.tracker.report, compute_s_per_token=seconds / num_tokens)
 
     async def release(self, handoff: KVHandoff) -> None:
         """Tell the owner of `handoff` it will not be read, so it frees the blocks now, not at TTL."""

@@ -26,8 +26,7 @@ def _engine_options(config: AppConfig, group: EngineGroupConfig) -> dict[str, An
     limits = config.limits
     bundle = {"CPU": group.cpus_per_replica, **({"GPU": group.gpus_per_replica} if group.gpus_per_replica else {}),
               **group.bundle_resources}
-    return {"num_replicas": group.replicas,
-            "ray_actor_options": {"num_cpus": group.cpus_per_replica, "num_gpus": group.gpus_per_replica,
+    return {"ray_actor_options": {"num_cpus": group.cpus_per_replica, "num_gpus": group.gpus_per_replica,
                                   "resources": dict(group.bundle_resources)},
             "placement_group_bundles": [bundle], "placement_group_strategy": "STRICT_PACK",
             "max_ongoing_requests": limits.engine_max_ongoing_requests,
@@ -37,6 +36,7 @@ def _engine_options(config: AppConfig, group: EngineGroupConfig) -> dict[str, An
 
 
 def build_graph(config: AppConfig) -> "Application":
+    from app.autoscaling import decode_replica_options, prefill_replica_options, router_replica_options
     from deployments.decode import DecodeServer
     from deployments.kv_index import KVIndexServer
     from deployments.prefill import PrefillServer
@@ -44,10 +44,13 @@ def build_graph(config: AppConfig) -> "Application":
 
     limits = config.limits
     index = KVIndexServer.options(max_ongoing_requests=limits.index_max_ongoing_requests).bind(config)
-    prefill = PrefillServer.options(name="prefill", **_engine_options(config, config.prefill)).bind(config, index)
+    # Replica counts: fixed, or autoscaled on each group's own signal (app/autoscaling.py).
+    prefill = PrefillServer.options(name="prefill", **prefill_replica_options(config),
+                                    **_engine_options(config, config.prefill)).bind(config, index)
     # Decode sends its releases through prefill (an engine cannot notify itself over NIXL).
-    decode = DecodeServer.options(name="decode", **_engine_options(config, config.decode)).bind(config, index, prefill)
-    return Router.options(name="router", num_replicas=config.router_replicas,
+    decode = DecodeServer.options(name="decode", **decode_replica_options(config),
+                                  **_engine_options(config, config.decode)).bind(config, index, prefill)
+    return Router.options(name="router", **router_replica_options(config),
                           max_ongoing_requests=limits.router_max_ongoing_requests,
                           max_queued_requests=limits.router_max_queued_requests,
                           backpressure_config=_backpressure(limits)).bind(config, index, prefill, decode)

@@ -35,7 +35,8 @@ class TurnJournal:
                  "pulled_tokens": pulled, "prefill_replica": result.replica_id,
                  # Not asdict: it would deep-copy the retained sequence's token ids on the hot path.
                  **{f.name: getattr(decision, f.name) for f in dataclasses.fields(decision)
-                    if f.name not in ("pull", "retained")},
+                    if f.name not in ("pull", "retained", "placement")},
+                 "placement": dataclasses.asdict(decision.placement) if decision.placement else None,
                  "action": decision.action.value, "reason": decision.reason.value,
                  "pull_source": decision.pull.source.engine_id if decision.pull else None,
                  "policy": turn.routing_policy.value, **measured,

@@ -1,14 +1,14 @@
 """The router's view of which engine replicas can take work.
 
 kv_index.membership (engine heartbeats) ──update──▶ LiveEngines ◀──suspect── a failed call
-LiveEngines.live(role) ──▶ the turn loop's choices (prefill replica, decode replica, degraded modes)
+LiveEngines.live(role), .load(replica) ──▶ the turn loop's choices (placement, degraded modes)
 The last membership is kept while the index is unreachable: engines outlive an index restart.
 """
 
 import time
 from collections import Counter
 
-from app.protocol import Membership, Role
+from app.protocol import LoadReport, Membership, Role
 
 
 class LiveEngines:
@@ -23,6 +23,10 @@ class LiveEngines:
 
     def update(self, members: Membership) -> None:
         self.members, self.known = members, True
+
+    def load(self, replica_id: str) -> LoadReport:
+        """The replica's load and costs as of its last heartbeat the index passed on."""
+        return self.members.loads.get(replica_id) or LoadReport()
 
     def suspect(self, replica_id: str, now: float | None = None) -> None:
         """A call to the replica failed: route around it for a while (its heartbeat may lag)."""

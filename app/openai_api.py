@@ -101,6 +101,8 @@ class GenerationRequest(BaseModel):
     prefill_on_decode: bool | None = None
     """This project's extension: false sends this request's prompt through prefill even when it is a
     short append to a conversation a decode replica retains."""
+    load_aware_placement: bool | None = None
+    """This project's extension: true or false overrides `placement.load_aware` for this request."""
 
     @model_validator(mode="before")
     @classmethod

@@ -9,6 +9,7 @@ No live decode replica: router ──DecodeRequest(no handoff)──▶ prefill,
 """
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 
@@ -28,8 +29,42 @@ class EngineEndpoint:
 
 
 @dataclass(frozen=True)
+class LoadReport:
+    """An engine's load and measured costs, as its last heartbeat carried them (vLLM's own stats)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    compute_s_per_token: float = 0.0
+    """Seconds per prompt token computed: a probe at start-up, then finished prefills (0: unknown)."""
+    pull_s_per_token: float = 0.0
+    """Seconds per token of KV read over NIXL by this engine, from its transfers (0: none yet)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Both sides' estimated time to the first token, with the inputs (the decision log's record)."""
+
+    on_prefill_ms: float
+    on_decode_ms: float
+    prefill_queued_tokens: int
+    decode_queued_tokens: int
+    decode_running: int
+    decode_kv_usage: float
+    prefill_compute_us_per_token: float
+    decode_compute_us_per_token: float
+    pull_us_per_token: float
+    prefill_residual_ms: float = 0.0
+    decode_residual_ms: float = 0.0
+
+    @property
+    def decode_sooner(self) -> bool:
+        return self.on_decode_ms < self.on_prefill_ms
+
+
+@dataclass(frozen=True)
 class ReplicaInfo:
-    """What an engine replica tells the KV index when it starts."""
+    """What an engine replica tells the KV index when it starts, and with each heartbeat."""
 
     replica_id: str
     role: Role
@@ -38,6 +73,7 @@ class ReplicaInfo:
     block_size: int
     events_endpoint: str = ""
     """ZMQ address of the engine's KV cache event publisher ("" when events are off)."""
+    load: LoadReport = LoadReport()
 
 
 @dataclass(frozen=True)
@@ -46,6 +82,7 @@ class Membership:
 
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
+    loads: Mapping[str, LoadReport] = field(default_factory=dict)
 
     def of(self, role: Role) -> tuple[str, ...]:
         return self.prefill if role == Role.PREFILL else self.decode
@@ -192,7 +229,9 @@ class Reason(str, enum.Enum):
     EXPIRES_TOO_SOON = "expires_too_soon"
     PULL_FAILED = "pull_failed"
     SHORT_APPEND = "short_append"
-    """Decode retains the conversation and few tokens are new (prefill on decode)."""
+    """Decode retains the conversation and gives the first token sooner than prefill would."""
+    DECODE_SOONER = "decode_sooner"
+    """Nothing retained (a first turn): a decode replica gives the first token sooner than prefill."""
     DECODE_FAILED = "prefill_on_decode_failed"
     ENGINE_FAILED = "engine_failed"
     """The planned engine failed; another replica recomputes the turn."""
@@ -231,6 +270,10 @@ class RoutingDecision:
     """The decode blocks to read, cut to the full blocks inside the common prefix."""
     retained: RetainedBlocks | None = None
     """The retained sequence considered, pulled or not (so the router can release it)."""
+    decode_replica_id: str = ""
+    """For a prompt computed on decode with nothing retained: the decode replica placement chose."""
+    placement: Estimate | None = None
+    """Both sides' estimated time to first token, when placement weighed them."""
 
     @property
     def pulled_tokens(self) -> int:

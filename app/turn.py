@@ -31,6 +31,7 @@ from app.kv_index import KVIndex
 from app.ledger import Release, Settlement, TurnLedger, TurnState, settle
 from app.membership import LiveEngines
 from app.metrics import TurnMetrics
+from app.placement import PlacementPolicy, Residuals, place
 from app.protocol import (
     Action,
     DecodeRequest,
@@ -44,21 +45,16 @@ from app.protocol import (
     RoutingDecision,
     SamplingSettings,
 )
+from app.reply import NoEngineAlive, ReplyStream, StageTimeout, migrated, timed
 from app.routing import CostWeights, PrefillChooser, RoutingPolicy
 
 logger = logging.getLogger("ray.serve")
 OWN_RETAINED_EXPIRY_S = 5.0
 """How often the router drops expired entries from its own record of retained sequences."""
 MAX_ATTEMPTS = 3
+FALLBACK_REASONS = (Reason.PULL_FAILED, Reason.DECODE_FAILED, Reason.ENGINE_FAILED)
+"""The planned engine or pull failed: the turn's time says nothing about the placement estimate."""
 """Engines tried for one stage of a turn (the planned one, then others or the other group)."""
-
-
-class NoEngineAlive(RuntimeError):
-    """No engine of either group can take the turn: the router answers 503 with Retry-After."""
-
-
-class StageTimeout(TimeoutError):
-    """A stage of the turn did not answer within its configured timeout: the router answers 504."""
 
 
 @dataclass(frozen=True)
@@ -77,34 +73,8 @@ class Turn:
     """Where the conversation's previous turn was prefilled, if known."""
     prefill_on_decode: bool = True
     """May a short append run whole on the decode replica that retains the conversation?"""
-
-
-class ReplyStream:
-    """One engine call's streamed chunks, counted as load on its replica until closed."""
-
-    def __init__(self, loop: "TurnLoop", role: Role, request: DecodeRequest) -> None:
-        self.role, self.request, self.replica_id = role, request, request.target_replica_id
-        self._streams = loop.engines.streams
-        self._streams[self.replica_id] += 1
-        self._chunks = loop.groups[role].options(stream=True).generate.remote(request)
-        self._open, self.finished = True, False
-
-    async def next(self, timeout_s: float, stage: str) -> ReplyChunk:
-        try:
-            chunk = await _timed(self._chunks.__anext__(), timeout_s, stage)
-        except StopAsyncIteration:
-            self.finished = True
-            raise
-        self.finished = chunk.finish_reason is not None
-        return chunk
-
-    def close(self) -> None:
-        """Idempotent; cancelling an unfinished call aborts its engine request, which frees its blocks."""
-        if self._open:
-            self._open = False
-            self._streams[self.replica_id] -= 1
-            if not self.finished and (cancel := getattr(self._chunks, "cancel", None)):
-                cancel()
+    load_aware: bool = True
+    """Place the prompt by both sides' load and costs (app/placement.py), not by the fixed rule."""
 
 
 @dataclass(frozen=True)
@@ -127,13 +97,6 @@ class PreparedTurn:
         return self.prefill.num_cached_tokens
 
 
-async def _timed(awaitable: Awaitable, timeout_s: float, stage: str):
-    try:
-        return await asyncio.wait_for(awaitable, timeout_s)
-    except asyncio.TimeoutError:
-        raise StageTimeout(f"{stage} did not answer within {timeout_s:g} s") from None
-
-
 class TurnLoop:
     def __init__(self, config: AppConfig, index: Any, prefill: Any, decode: Any, metrics: TurnMetrics) -> None:
         self.config, self.limits = config, config.limits
@@ -143,6 +106,10 @@ class TurnLoop:
                                  expiry_margin_s=config.expiry_margin_s, enabled=config.reverse_pull,
                                  min_local_horizon_s=config.min_local_horizon_s,
                                  max_decode_prefill_tokens=config.max_decode_prefill_tokens)
+        self.placement = PlacementPolicy(config.placement.itl_weight,
+                                         config.placement.kv_high_watermark, config.max_decode_prefill_tokens,
+                                         config.placement.prior_pull_share)
+        self.residuals = Residuals()
         weights = CostWeights(config.cost_per_token, config.load_weight, config.transfer_cost_per_token)
         self.choosers = {p: PrefillChooser(p, self.policy, weights) for p in RoutingPolicy}
         self.journal = TurnJournal(config.block_size, metrics)
@@ -206,8 +173,10 @@ class TurnLoop:
         planned = time.perf_counter()
         result, reply, decision = await self._compute_prompt(turn, decision, ledger)
         on_prefill = result.handoff is not None
-        measured = {"plan_ms": round((planned - started) * 1e3, 2),
-                    "prefill_ms": round((time.perf_counter() - planned) * 1e3, 2),
+        prefill_ms = round((time.perf_counter() - planned) * 1e3, 2)
+        if decision.placement is not None and decision.reason not in FALLBACK_REASONS:
+            self.residuals.observe(decision.placement, decision.action == Action.PREFILL_ON_DECODE, prefill_ms)
+        measured = {"plan_ms": round((planned - started) * 1e3, 2), "prefill_ms": prefill_ms,
                     "eviction_horizon_s": self.journal.observe_load(result, time.time()) if on_prefill else None,
                     "first_token_from": "prefill" if (on_prefill and result.first_chunk)
                     or decision.action == Action.RUN_ON_PREFILL else "decode"}
@@ -250,7 +219,7 @@ class TurnLoop:
                 if prepared.turn.sampling.regex:  # a grammar's state cannot move to another engine
                     raise
                 self._failed(stream.replica_id, "reply", prepared.turn.request_id, exc)
-                rest = _migrated(stream.request, sent)
+                rest = migrated(stream.request, sent)
                 if rest is None:  # it failed after the last token, before saying so
                     self._finish(ledger, None)
                     yield ReplyChunk(token_ids=(), text="", finish_reason="length")
@@ -314,11 +283,19 @@ class TurnLoop:
             raise NoEngineAlive("no engine is ready; retry shortly")
         policy = self.policy if turn.reverse_pull else replace(self.policy, enabled=False)
         near = self._on_decode(turn, self.own_retained.lookup(hashes), policy, decode_live)
-        if near is not None:
+        if near is not None and prefill_live:  # prefill's side as if it held nothing: no index call
+            least_queued = min(prefill_live, key=lambda r: self.journal.queued_tokens[r])
+            near = self._place(turn, replace(near, action=Action.PULL, prefill_replica_id=least_queued, tokens_local=0,
+                                             pull=near.retained.handoff), near)
+        if near is not None and near.action == Action.PREFILL_ON_DECODE:
             self._claim(ledger, near.retained, confirmed=False)
             return near
         lookup = _live_only(await self.ask_index("lookup", hashes) or PrefixLookup(), prefill_live, decode_live)
-        decision = self._on_decode(turn, lookup, policy, decode_live) or self._choose(turn, lookup, policy)
+        on_decode, decision = self._on_decode(turn, lookup, policy, decode_live), self._choose(turn, lookup, policy)
+        if decision.action in (Action.PULL, Action.RECOMPUTE):
+            decision = self._place(turn, decision, on_decode)
+        elif on_decode is not None and decision.reason == Reason.NO_PREFILL_ALIVE:
+            decision = on_decode
         retained = decision.retained
         if retained is None:
             return decision
@@ -330,6 +307,22 @@ class TurnLoop:
         elif common_prefix_len(list(turn.prompt_token_ids), list(retained.token_ids)) == len(retained.token_ids):
             self._claim(ledger, retained, confirmed=False)  # this turn supersedes it: release it at the end
         return decision
+
+    def _place(self, turn: Turn, on_prefill: RoutingDecision, on_decode: RoutingDecision | None
+               ) -> RoutingDecision:
+        """The prefill decision or the decode one (`on_decode`: the replica retaining the
+        conversation; with nothing retained, the best live decode replica), whichever is estimated
+        to give the first token sooner (app/placement.py)."""
+        if not turn.load_aware:
+            return on_decode or on_prefill
+        if on_decode is None and (on_prefill.retained is not None or not turn.prefill_on_decode):
+            return on_prefill
+        candidates = [on_decode] if on_decode else [
+            RoutingDecision(prefill_replica_id="", action=Action.PREFILL_ON_DECODE, reason=Reason.DECODE_SOONER,
+                            tokens_local=0, tokens_pullable=0, threshold=self.placement.max_decode_prefill_tokens,
+                            decode_replica_id=r) for r in self.engines.live(Role.DECODE)]
+        return place(len(turn.prompt_token_ids), on_prefill, candidates, self.engines.load,
+                     self.journal.queued_tokens, self.residuals, self.placement)
 
     def _on_decode(self, turn: Turn, lookup: PrefixLookup, policy: PullPolicy,
                    decode_live: list[str]) -> RoutingDecision | None:
@@ -399,7 +392,7 @@ class TurnLoop:
         load = len(turn.prompt_token_ids) - decision.tokens_local
         self.journal.queued_tokens[decision.prefill_replica_id] += load
         try:
-            result = await _timed(self.groups[Role.PREFILL].prefill.remote(request), self.limits.prefill_timeout_s,
+            result = await timed(self.groups[Role.PREFILL].prefill.remote(request), self.limits.prefill_timeout_s,
                                   "prefill")
         finally:
             self.journal.queued_tokens[decision.prefill_replica_id] -= load
@@ -414,19 +407,25 @@ class TurnLoop:
         engine a degraded mode names), up to its first chunk."""
         on_decode = decision.action == Action.PREFILL_ON_DECODE
         role = Role.DECODE if on_decode else Role.PREFILL
-        preferred = decision.retained.replica_id if on_decode and decision.retained else decision.prefill_replica_id
+        preferred = decision.prefill_replica_id
+        if on_decode:
+            preferred = decision.retained.replica_id if decision.retained else decision.decode_replica_id
         target = self.engines.pick(role, preferred)
         if target is None:
             raise RuntimeError(f"no live {role.value} replica")
         request = DecodeRequest(request_id=f"{turn.request_id}-{role.value[0]}{suffix}",
                                 prompt_token_ids=turn.prompt_token_ids, cache_salt=turn.cache_salt,
                                 sampling=turn.sampling, handoff=None, target_replica_id=target, retain=on_decode)
-        stream = ledger.open_stream = ReplyStream(self, role, request)
+        stream = ledger.open_stream = self._stream(role, request)
+        queued = len(turn.prompt_token_ids) - decision.tokens_local
+        self.journal.queued_tokens[target] += queued
         try:
             first = await stream.next(self.limits.first_chunk_timeout_s, "first chunk")
         except BaseException:
             stream.close()
             raise
+        finally:
+            self.journal.queued_tokens[target] -= queued
         ledger.advance(TurnState.DECODING)
         result = PrefillResult(replica_id=target, handoff=None, num_prompt_tokens=len(turn.prompt_token_ids),
                                num_cached_tokens=first.num_cached_tokens or 0, first_chunk=first)
@@ -446,11 +445,14 @@ class TurnLoop:
         """Stream `request` on a live decode replica (its preferred one if live), else compute it
         whole on a prefill replica."""
         if target := self.engines.pick(Role.DECODE, request.target_replica_id):
-            return ReplyStream(self, Role.DECODE, replace(request, target_replica_id=target))
+            return self._stream(Role.DECODE, replace(request, target_replica_id=target))
         if target := self.engines.pick(Role.PREFILL):
-            return ReplyStream(self, Role.PREFILL, replace(request, target_replica_id=target, handoff=None,
+            return self._stream(Role.PREFILL, replace(request, target_replica_id=target, handoff=None,
                                                            retain=False))
         raise NoEngineAlive("no engine is ready; retry shortly")
+
+    def _stream(self, role: Role, request: DecodeRequest) -> ReplyStream:
+        return ReplyStream(self.groups[role], self.engines.streams, role, request)
 
     def _failed(self, replica_id: str, stage: str, request_id: str, exc: BaseException) -> None:
         self.engines.suspect(replica_id)
@@ -488,15 +490,3 @@ def _live_only(lookup: PrefixLookup, prefill_live: list[str], decode_live: list[
     cached = {r: lookup.prefill_cached_tokens.get(r, 0) for r in prefill_live}
     retained = lookup.retained if lookup.retained and lookup.retained.retained.replica_id in decode_live else None
     return PrefixLookup(prefill_cached_tokens=cached, retained=retained)
-
-
-def _migrated(request: DecodeRequest, sent: list[int]) -> DecodeRequest | None:
-    """The rest of a reply whose engine failed after sending `sent`: the prompt plus those tokens,
-    computed afresh (greedy decoding then gives the tokens the failed engine would have); None
-    when nothing is left to generate."""
-    remaining = request.sampling.max_tokens - len(sent)
-    if remaining <= 0:
-        return None
-    return replace(request, request_id=f"{request.request_id}-m", handoff=None,
-                   prompt_token_ids=request.prompt_token_ids + tuple(sent),
-                   sampling=replace(request.sampling, max_tokens=remaining))

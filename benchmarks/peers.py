@@ -34,12 +34,14 @@ def _wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> None:
 
 @contextmanager
 def plain_vllm(config: AppConfig) -> Iterator[str]:
-    """vLLM's own OpenAI server on one engine: the single-engine ideal. Yields its URL."""
+    """vLLM's own OpenAI server on one engine (all cores, this app's pool and stream interval): the
+    single-engine ideal. Yields its URL."""
     port = free_local_port()
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_path()),
                "--served-model-name", config.model_name, "--dtype", config.engine_dtype, "--block-size",
                str(config.block_size), "--max-model-len", str(config.max_model_len), "--enforce-eager",
-               "--enable-prefix-caching", "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port)]
+               "--enable-prefix-caching", "--enable-prompt-tokens-details", "--stream-interval",
+               str(config.stream_interval_tokens), "--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen(command, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -62,7 +64,8 @@ def serve_llm_pd_args(config: AppConfig) -> dict:
         engine = {"dtype": config.engine_dtype, "block_size": config.block_size,
                   "max_model_len": config.max_model_len, "enforce_eager": True,
                   "enable_prefix_caching": group.prefix_caching, "kv_transfer_config": transfer,
-                  "worker_extension_cls": "app.nixl_poll.NixlPollDelay", "enable_prompt_tokens_details": True}
+                  "worker_extension_cls": "app.nixl_poll.NixlPollDelay", "enable_prompt_tokens_details": True,
+                  "stream_interval": config.stream_interval_tokens}
         if group.num_gpu_blocks_override:
             engine["num_gpu_blocks_override"] = group.num_gpu_blocks_override
         env = {"VLLM_CPU_KVCACHE_SPACE": str(group.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": str(core),

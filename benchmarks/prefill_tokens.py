@@ -14,18 +14,12 @@ import argparse
 import uuid
 
 from app.config import load_config
+from benchmarks.report import ideal_prefill
 from benchmarks.workload import Profile, open_target, run_conversation
 
 MODES = {"preserve": {"conversation_mode": "preserve"},
          "template": {"conversation_mode": "template"},
          "no reuse": {"conversation_mode": "template", "reverse_pull": False}}
-
-
-def ideal_per_turn(turns) -> list[int]:
-    ideal = [turns[0].prompt_tokens]
-    for previous, current in zip(turns, turns[1:]):
-        ideal.append(current.prompt_tokens - previous.prompt_tokens - len(previous.output_ids))
-    return ideal
 
 
 def main() -> None:
@@ -40,7 +34,7 @@ def main() -> None:
     client, tokenizer, url = open_target(args.url, load_config({"prefill.prefix_caching": "false"}))
     runs = {mode: run_conversation(client, tokenizer, profile, uuid.uuid4().hex, **extra, ignore_eos=True)
             for mode, extra in MODES.items()}
-    ideal = ideal_per_turn(runs["preserve"])
+    ideal = ideal_prefill([t.prompt_tokens for t in runs["preserve"]], [len(t.output_ids) for t in runs["preserve"]])
     prefilled = {mode: [t.prompt_tokens - t.cached_tokens for t in turns] for mode, turns in runs.items()}
     print(f"{'turn':>4} {'prompt':>7} {'ideal':>6} " + " ".join(f"{m:>9}" for m in MODES))
     for k in range(profile.turns):

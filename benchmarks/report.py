@@ -38,6 +38,10 @@ class Row:
     decode_first_s: float
     """(0 when prefill sent the first token); the rest of ttft_s is outside: HTTP proxy,
     rendering, streaming hops."""
+    concurrency: int = 0
+    """Conversations in flight (the concurrency sweep; 0 elsewhere)."""
+    error: str = ""
+    """Why the request failed (HTTP status or exception type); its timings are then 0."""
 
 
 def _by_label(rows: list[Row]) -> dict[tuple[str, str], list[Row]]:
@@ -50,21 +54,43 @@ def _by_label(rows: list[Row]) -> dict[tuple[str, str], list[Row]]:
 
 def _turn_ttft(rows: list[Row], turn: int) -> str:
     values = [r.ttft_s * 1e3 for r in rows if r.turn == turn]
-    return f"{statistics.median(values):.0f}/{_p95(values):.0f}"
+    return f"{statistics.median(values):.0f}/{percentile(values, 95):.0f}"
 
 
-def _p95(values: list[float]) -> float:
-    return statistics.quantiles(values, n=20)[-1] if len(values) > 1 else values[0]
+def percentile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
+
+def ideal_prefill(prompt_tokens: list[int], completion_tokens: list[int]) -> list[int]:
+    """The project's one definition of the ideal: tokens each turn of a conversation must prefill.
+    Turn 1's prompt, then only each later turn's new tokens (its history, replies included, is
+    already computed somewhere)."""
+    return [prompt_tokens[0]] + [max(b - a - reply, 0) for a, b, reply in
+                                 zip(prompt_tokens, prompt_tokens[1:], completion_tokens)]
+
+
+def later_turn_hit(cached_tokens: int, previous_prompt_tokens: int, block_size: int) -> bool:
+    """The project's one definition of a later-turn hit: the turn found at least the previous
+    turn's whole prompt (in full blocks) already computed."""
+    return cached_tokens >= previous_prompt_tokens // block_size * block_size > 0
+
+
+def conversations_of(rows: list[Row]) -> list[list[Row]]:
+    """Each conversation's rows in turn order."""
+    by_conversation: dict[int, list[Row]] = {}
+    for r in rows:
+        by_conversation.setdefault(r.conversation, []).append(r)
+    return [sorted(turns, key=lambda r: r.turn) for turns in by_conversation.values()]
 
 
 def ideal_tokens(rows: list[Row]) -> int:
-    """Turn 1's prompt, then only each later turn's new tokens: the reply was computed in decode."""
-    total = 0
-    for c in {r.conversation for r in rows}:
-        turns = sorted((r for r in rows if r.conversation == c), key=lambda r: r.turn)
-        total += turns[0].prompt_tokens + sum(
-            max(b.prompt_tokens - a.prompt_tokens - a.completion_tokens, 0) for a, b in zip(turns, turns[1:]))
-    return total
+    return sum(sum(ideal_prefill([r.prompt_tokens for r in turns], [r.completion_tokens for r in turns]))
+               for turns in conversations_of(rows))
+
+
+def later_hit_share(rows: list[Row], block_size: int) -> float:
+    pairs = [(a, b) for turns in conversations_of(rows) for a, b in zip(turns, turns[1:])]
+    return sum(later_turn_hit(b.cached_tokens, a.prompt_tokens, block_size) for a, b in pairs) / max(len(pairs), 1)
 
 
 @dataclass(frozen=True)
@@ -79,20 +105,20 @@ class SystemSummary:
     throughput: float
 
     @classmethod
-    def of(cls, rows: list[Row]) -> "SystemSummary":
+    def of(cls, rows: list[Row], block_size: int) -> "SystemSummary":
         later = [r for r in rows if r.turn > 1]
         wall = max(r.started_s + r.e2e_s for r in rows) - min(r.started_s for r in rows)
         return cls(statistics.median(r.ttft_s for r in rows if r.turn == 1), statistics.median(r.ttft_s for r in later),
-                   _p95([r.ttft_s for r in later]), statistics.median(r.itl_s for r in rows),
+                   percentile([r.ttft_s for r in later], 95), statistics.median(r.itl_s for r in rows),
                    sum(r.prefilled_tokens for r in rows) / ideal_tokens(rows),
-                   sum(r.cached_tokens > 0 for r in later) / len(later),
+                   later_hit_share(rows, block_size),
                    sum(r.pulled_tokens for r in later) / max(sum(r.cached_tokens for r in later), 1),
                    sum(r.completion_tokens for r in rows) / wall)
 
 
 def summarize(rows: list[Row], config: AppConfig) -> str:
     groups = _by_label(rows)
-    by_label = {label: SystemSummary.of(group) for label, group in groups.items()}
+    by_label = {label: SystemSummary.of(group, config.block_size) for label, group in groups.items()}
     lines = [f"model {config.model_name} ({config.engine_dtype}, {_parameters(config)}), block size "
              f"{config.block_size}, KV {kv_bytes_per_token(config.model_path())} bytes/token, machine "
              f"{os.cpu_count()} CPU cores, {_memory_gib():.0f} GiB", "",

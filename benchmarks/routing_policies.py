@@ -19,23 +19,18 @@ from functools import partial
 import httpx
 
 from app.config import EngineGroupConfig, load_config
-from app.hashing import common_prefix_len
 from app.routing import RoutingPolicy
+from benchmarks.report import ideal_prefill, later_turn_hit, percentile
 from benchmarks.workload import Profile, open_target, run_conversation
-
-
-def percentile(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
 
 
 def summarize(conversations, decisions: dict[str, dict], block_size: int) -> dict[str, str]:
     later = [(p, c) for turns in conversations for p, c in zip(turns, turns[1:])]
-    hits = sum(c.cached_tokens >= min(common_prefix_len(c.prompt_ids, p.prompt_ids), c.prompt_tokens - 1)
-               // block_size * block_size for p, c in later)
+    hits = sum(later_turn_hit(c.cached_tokens, p.prompt_tokens, block_size) for p, c in later)
     same = sum(decisions[c.request_id]["prefill_replica"] == decisions[p.request_id]["prefill_replica"]
                for p, c in later)
     prefilled = sum(t.prompt_tokens - t.cached_tokens for turns in conversations for t in turns)
-    ideal = sum(turns[0].prompt_tokens + sum(c.prompt_tokens - p.prompt_tokens for p, c in zip(turns, turns[1:]))
+    ideal = sum(sum(ideal_prefill([t.prompt_tokens for t in turns], [len(t.output_ids) for t in turns]))
                 for turns in conversations)
     ttft = {}
     for k in range(len(conversations[0])):

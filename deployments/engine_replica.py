@@ -9,11 +9,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import ray
 from ray import serve
 
 from app import kv_events
+from app.autoscaling import KV_CACHE_USAGE, RUNNING_SEQS, WAITING_SEQS
 from app.config import TINY_MODEL, AppConfig
 from app.engine import Engine, from_vllm_params, hold_params, to_vllm_params
 from app.model.tiny import ensure_tiny_model
@@ -44,11 +46,13 @@ class EngineReplica:
         self.info = ReplicaInfo(replica_id=self.replica_id, role=self.role, endpoint=self.engine.endpoint,
                                 prefix_caching=group.prefix_caching, block_size=config.block_size,
                                 events_endpoint=self.engine.identity.events_endpoint if config.kv_events else "")
+        # Before the KV events flow and the index knows this replica: the probe is seen by nobody.
+        await self.engine.probe_compute_cost(config.placement.probe_tokens)
         loop = asyncio.get_event_loop()
         if config.kv_events:
             local, public = self.engine.identity.engine_events_endpoint, self.engine.identity.events_endpoint
             self._events = loop.create_task(kv_events.forward(local, public))
-        await index.register.remote(self.info)
+        await index.register.remote(self.beat())
         self._heartbeat = loop.create_task(self._heartbeat_forever())
 
     async def _heartbeat_forever(self) -> None:
@@ -57,11 +61,15 @@ class EngineReplica:
         limits = self.config.limits
         while not self.engine.llm.errored:
             try:
-                await asyncio.wait_for(self.index.register.remote(self.info), limits.bookkeeping_timeout_s)
+                await asyncio.wait_for(self.index.register.remote(self.beat()), limits.bookkeeping_timeout_s)
             except Exception as exc:  # noqa: BLE001 - the index is restarting: the next beat re-registers
                 logger.warning("heartbeat to the KV index failed: %s", type(exc).__name__)
             await asyncio.sleep(limits.heartbeat_interval_s)
         logger.error("engine of replica %s is dead: heartbeats stopped, health checks fail", self.replica_id)
+
+    def beat(self) -> ReplicaInfo:
+        """This replica with its engine's current load and costs."""
+        return replace(self.info, load=self.engine.load)
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[ReplyChunk]:
         """Stream a reply: read prefill's handoff first, or compute the prompt here (its prefix cache
@@ -115,6 +123,13 @@ class EngineReplica:
 
     def kept_blocks(self, now: float) -> int:
         return 0
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom-metrics hook, called only when the group autoscales: the engine's load
+        as vLLM last stepped (an idle engine's last step stands), for app/autoscaling.py's policies."""
+        load = self.engine.load
+        return {RUNNING_SEQS: load.num_running_reqs, WAITING_SEQS: load.num_waiting_reqs,
+                KV_CACHE_USAGE: load.kv_cache_usage}
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -64,8 +64,9 @@ class KVIndexServer:
             logger.exception("KV event feed of replica %s stopped", replica_id)
 
     async def membership(self) -> Membership:
-        return Membership(prefill=tuple(self.index.replica_ids(Role.PREFILL)),
-                          decode=tuple(self.index.replica_ids(Role.DECODE)))
+        prefill, decode = self.index.replica_ids(Role.PREFILL), self.index.replica_ids(Role.DECODE)
+        return Membership(prefill=tuple(prefill), decode=tuple(decode),
+                          loads={r: self.index.replicas[r].load for r in (*prefill, *decode)})
 
     async def lookup(self, hashes: list[bytes]) -> PrefixLookup:
         return self.index.lookup(hashes)

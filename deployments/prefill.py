@@ -9,6 +9,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from app.autoscaling import QUEUED_PREFILL_TOKENS, QueuedTokens
 from app.engine import from_vllm_params, hold_params, to_vllm_params
 from app.protocol import PrefillRequest, PrefillResult, ReplyChunk, Role, SamplingSettings
 from deployments.engine_replica import EngineReplica
@@ -26,13 +27,25 @@ class KVPullFailed(RuntimeError):
 class PrefillServer(EngineReplica):
     role = Role.PREFILL
 
+    async def __init__(self, config, index) -> None:
+        await super().__init__(config, index)
+        self.queued_tokens = QueuedTokens()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return {**await super().record_autoscaling_stats(), QUEUED_PREFILL_TOKENS: self.queued_tokens.mean_since_read()}
+
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         # do_remote_decode: keep the prompt's blocks for decode; the pull fields (if any) make
         # prefill read the history's blocks from decode first.
         params = to_vllm_params(request.pull, Role.PREFILL) if request.pull else hold_params()
         stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.cache_salt,
                                       engine_settings(request, self.config.block_size), params)
-        deltas = [output async for output in stream]
+        queued = len(request.prompt_token_ids) - (request.pull.num_tokens if request.pull else 0)
+        self.queued_tokens.add(queued)
+        try:
+            deltas = [output async for output in stream]
+        finally:
+            self.queued_tokens.add(-queued)
         final = deltas[-1] if deltas else None
         if final is None or final.outputs[0].finish_reason == "error" or not final.kv_transfer_params:
             raise KVPullFailed(f"prefill of {request.request_id} failed (pull planned: {request.pull is not None})")

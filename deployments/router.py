@@ -33,10 +33,11 @@ from app.openai_api import (
     usage,
 )
 from app.protocol import Role
+from app.reply import NoEngineAlive, StageTimeout
 from app.routing import NoPrefillReplica
 from app.sessions import ChatSessions, HistoryQuery, RenderedTurn
 from app.tenants import Forbidden, Unauthorized, cache_salt, cache_scope, open_api_warning, require_admin
-from app.turn import NoEngineAlive, PreparedTurn, StageTimeout, Turn, TurnLoop
+from app.turn import PreparedTurn, Turn, TurnLoop
 from deployments.http_guard import HttpGuard, error_response
 
 logger = logging.getLogger("ray.serve")
@@ -170,7 +171,9 @@ class Router:
                     affinity_key=rendered.affinity_key if rendered else f"{tenant}:{prompt_ids[:64]}",
                     turn_index=rendered.turn_index if rendered else 1,
                     previous_replica=rendered.previous_replica if rendered else "",
-                    prefill_on_decode=body.prefill_on_decode is not False)
+                    prefill_on_decode=body.prefill_on_decode is not False,
+                    load_aware=self.config.placement.load_aware if body.load_aware_placement is None
+                    else body.load_aware_placement)
         ledger = TurnLedger(turn.request_id)
         try:
             prepared = await self.loop.prepare(turn, ledger)

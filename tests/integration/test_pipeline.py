@@ -82,7 +82,7 @@ def test_a_long_append_after_a_turn_on_decode_pulls_that_turn_s_blocks(on_decode
     messages = [{"role": "system", "content": "On decode. " + SYSTEM_PROMPT}]
     for user, turn in zip(USER_TURNS, on_decode_conversation):
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": turn.text}]
-    long_append = " ".join(f"Tool result {i}: nothing to report for row {i}." for i in range(60))
+    long_append = " ".join(f"Tool result {i}: nothing to report for row {i}." for i in range(90))
     record = chat_turn(client, messages + [{"role": "user", "content": long_append}], MAX_TOKENS)
     decision = decisions_by_request(http)[record.request_id]
     assert record.prompt_tokens - decision["tokens_pullable"] > app_config.max_decode_prefill_tokens

@@ -8,7 +8,8 @@ import pytest
 
 from app.membership import LiveEngines
 from app.protocol import Action, Membership, PrefillResult, Reason, ReplyChunk, Role, SamplingSettings
-from app.turn import NoEngineAlive, Turn
+from app.reply import NoEngineAlive
+from app.turn import Turn
 from tests.factories import handoff
 from tests.fakes import DecodeGroup, run_turn, turn_loop
 
@@ -81,7 +82,7 @@ def test_a_suspected_replica_is_routed_around_until_its_time_is_up():
 
 def test_a_stage_that_does_not_answer_in_time_is_a_timeout_not_a_hang():
     from app.config import Limits
-    from app.turn import StageTimeout
+    from app.reply import StageTimeout
 
     class Hangs:
         def remote(self, _):

@@ -1,0 +1,101 @@
+"""Where a turn's prompt is computed: on a prefill replica (decode then reads it over NIXL) or on
+the decode replica that streams the reply (no hop, no transfer), whichever is estimated to give
+the first token sooner, from both sides' live load and each engine's measured costs.
+
+    on prefill P = (queued_P + to compute on P) x compute_P + pulled x pull_P
+    on decode D  = (queued_D + to compute on D) x compute_D + itl_weight x running_D x (to compute) x compute_D
+    each side + what its estimates missed lately (hops, scheduling: `Residuals`, from measured turns)
+
+queued: prompt tokens this router has sent to the replica and not yet seen answered; running:
+decode's streams, which stall while it computes a prompt (the itl_weight term charges for them);
+compute and pull: seconds per token, measured by each engine (LoadReport). A decode replica whose
+KV pool is fuller than the watermark, or a prompt longer than the cap, stays off decode.
+"""
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+from app.protocol import Estimate, LoadReport, RoutingDecision
+
+
+@dataclass(frozen=True)
+class PlacementPolicy:
+    itl_weight: float
+    """How much one running decode stream's stall counts against the new turn's wait."""
+    kv_high_watermark: float
+    max_decode_prefill_tokens: int
+    prior_pull_share: float
+    """Before an engine has pulled anything: a pulled token costs this share of a computed one."""
+
+
+def pull_cost(load: LoadReport, policy: PlacementPolicy) -> float:
+    return load.pull_s_per_token or load.compute_s_per_token * policy.prior_pull_share
+
+
+def estimate(prefill_compute: int, pulled: int, decode_compute: int,
+             prefill: LoadReport, decode: LoadReport, prefill_queued: int, decode_queued: int,
+             policy: PlacementPolicy) -> Estimate:
+    """`prefill_compute` / `decode_compute`: prompt tokens each side would compute itself. Decode's
+    read of prefill's KV is left out: prefill sends the first token before it."""
+    on_prefill = ((prefill_queued + prefill_compute) * prefill.compute_s_per_token
+                  + pulled * pull_cost(prefill, policy))
+    on_decode = ((decode_queued + decode_compute) * decode.compute_s_per_token
+                 + policy.itl_weight * decode.num_running_reqs * decode_compute * decode.compute_s_per_token)
+    return Estimate(round(on_prefill * 1e3, 3), round(on_decode * 1e3, 3), prefill_queued, decode_queued,
+                    decode.num_running_reqs, round(decode.kv_cache_usage, 3),
+                    round(prefill.compute_s_per_token * 1e6, 3), round(decode.compute_s_per_token * 1e6, 3),
+                    round(pull_cost(prefill, policy) * 1e6, 3))
+
+
+def decode_allowed(decode_compute: int, decode: LoadReport, policy: PlacementPolicy) -> bool:
+    """Hard limits, whatever the estimate: the stall a long prompt puts on every stream, and a full pool."""
+    return (decode_compute <= policy.max_decode_prefill_tokens
+            and decode.kv_cache_usage < policy.kv_high_watermark and decode.compute_s_per_token > 0)
+
+
+def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[RoutingDecision],
+          load: Callable[[str], LoadReport], queued: Mapping[str, int], residuals: "Residuals",
+          policy: PlacementPolicy) -> RoutingDecision:
+    """`on_prefill`, or the `on_decode` candidate estimated to answer soonest if sooner than it;
+    the chosen decision carries the estimate it won by. Without measured costs on both sides, the
+    fixed rule: a candidate decode retaining the conversation wins."""
+    best: RoutingDecision | None = None
+    prefill_load = load(on_prefill.prefill_replica_id)
+    for candidate in on_decode:
+        decode_id = candidate.retained.replica_id if candidate.retained else candidate.decode_replica_id
+        decode_load, decode_compute = load(decode_id), prompt_tokens - candidate.tokens_local
+        if not (decode_load.compute_s_per_token and prefill_load.compute_s_per_token):
+            best = best or (candidate if candidate.retained else None)
+            continue
+        sides = residuals.corrected(estimate(
+            prompt_tokens - on_prefill.tokens_local - on_prefill.pulled_tokens, on_prefill.pulled_tokens,
+            decode_compute, prefill_load, decode_load, queued.get(on_prefill.prefill_replica_id, 0),
+            queued.get(decode_id, 0), policy))
+        if decode_allowed(decode_compute, decode_load, policy) and sides.decode_sooner and (
+                best is None or best.placement is None or sides.on_decode_ms < best.placement.on_decode_ms):
+            best = replace(candidate, placement=sides)
+        elif best is None:
+            on_prefill = replace(on_prefill, placement=sides)
+    return best or on_prefill
+
+
+class Residuals:
+    """What the estimates miss on each side (the prefill hop and handoff, scheduling, the router's
+    own work), learned from each placed turn's measured time to its first chunk."""
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self.ms = {"prefill": 0.0, "decode": 0.0}
+
+    def observe(self, placed: Estimate, on_decode: bool, measured_ms: float) -> None:
+        """`placed`: the corrected estimate the turn was placed by; `measured_ms`: plan to first chunk."""
+        side = "decode" if on_decode else "prefill"
+        raw = placed.on_decode_ms - placed.decode_residual_ms if on_decode else (
+            placed.on_prefill_ms - placed.prefill_residual_ms)
+        self.ms[side] += self.alpha * (measured_ms - raw - self.ms[side])
+
+    def corrected(self, raw: Estimate) -> Estimate:
+        prefill, decode = round(self.ms["prefill"], 3), round(self.ms["decode"], 3)
+        return replace(raw, on_prefill_ms=round(raw.on_prefill_ms + prefill, 3),
+                       on_decode_ms=round(raw.on_decode_ms + decode, 3), prefill_residual_ms=prefill,
+                       decode_residual_ms=decode)

@@ -1,0 +1,59 @@
+"""CPU time by process role while a system runs: on a 2-core machine CPU is the resource that
+binds, so what each hop of the streaming path costs is read as CPU seconds per reply.
+
+    before = snapshot(); ...drive...; used = spent_since(before)   # {role: CPU seconds}
+"""
+
+import os
+
+import psutil
+
+ROLES = (("ServeReplica:kvloop:router", "router"), ("ServeReplica:kvloop:prefill", "prefill replica"),
+         ("ServeReplica:kvloop:decode", "decode replica"), ("ServeReplica:kvloop:KVIndexServer", "kv index"),
+         ("ServeReplica:serve-llm", "serve-llm replicas"), ("vllm.entrypoints.openai.api_server", "vllm server"),
+         ("haproxy", "haproxy"), ("ProxyActor", "serve proxy"), ("HAProxyManager", "serve proxy"),
+         ("ServeController", "serve controller"), ("raylet", "ray system"), ("gcs_server", "ray system"),
+         ("dashboard", "ray system"), ("ray::", "ray system"))
+"""Command-line fragments, first match wins."""
+
+
+def role_of(process: psutil.Process, own_pid: int) -> str:
+    """A process's role; a vLLM engine core (or its worker) takes its owner's role."""
+    if process.pid == own_pid:
+        return "client (benchmark)"
+    try:
+        command = " ".join(process.cmdline()) or process.name()
+    except psutil.Error:
+        return "other"
+    if "EngineCore" in command or "VLLM" in process.name() or "multiprocessing.spawn" in command:
+        owner = process.parent()
+        while owner is not None and owner.pid > 1:
+            role = role_of(owner, own_pid)
+            if role.startswith("engine core"):
+                return role
+            if role not in ("other", "ray system"):
+                return f"engine core ({role})"
+            owner = owner.parent()
+    return next((role for fragment, role in ROLES if fragment in command), "other")
+
+
+def snapshot() -> dict[int, tuple[str, float]]:
+    """Every process's role and CPU seconds so far (user + system)."""
+    own, seen = os.getpid(), {}
+    for process in psutil.process_iter():
+        try:
+            times = process.cpu_times()
+            seen[process.pid] = (role_of(process, own), times.user + times.system)
+        except psutil.Error:
+            continue
+    return seen
+
+
+def spent_since(before: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each role used since `before` (processes started since count from zero)."""
+    used: dict[str, float] = {}
+    for pid, (role, seconds) in snapshot().items():
+        spent = seconds - before.get(pid, (role, 0.0))[1]
+        if spent > 0.005:
+            used[role] = round(used.get(role, 0.0) + spent, 3)
+    return dict(sorted(used.items(), key=lambda kv: -kv[1]))

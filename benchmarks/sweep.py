@@ -1,0 +1,319 @@
+"""The concurrency sweep: every system at each level of concurrent conversations, in one run.
+
+Systems (all up for the whole run, each driven alone while the others idle):
+- `app`: this project's default, `serve run app:graph` as shipped;
+- `ideal`: one plain vLLM engine fed exactly the app's prompt token ids of the same level through
+  `/v1/completions` (same reuse, no rendering, no disaggregation): the single-engine ideal;
+- `vllm`: the same plain vLLM engine through its chat API, as users run it today;
+- `serve-llm`: Ray Serve LLM's `build_pd_openai_app` (one prefill, one decode, NIXL).
+Every engine gets the app's engine settings (block size, pool, stream interval, prefix caching);
+the plain engine has both cores, each disaggregated engine one.
+
+Workload (issue 14): three-turn conversations through the official `openai` client, streaming,
+32-token replies with `ignore_eos`, ~1k-token system prompts, exponential think time (1 s mean).
+
+    python -m benchmarks.sweep [--concurrency 1,4,16,32,64] [--systems app ideal vllm serve-llm]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import openai
+
+from app.client import TurnResult, chat_turn, completion_turn
+from app.config import AppConfig, load_config
+from app.metrics import kv_bytes_per_token
+from benchmarks.cpu_profile import snapshot, spent_since
+from benchmarks.multi_turn import app_decisions, rows_of
+from benchmarks.report import Row, ideal_tokens, later_hit_share, percentile
+from benchmarks.workload import ConversationPlan, Profile, load_tokenizer, openai_client, plan_conversation
+
+SYSTEMS = ("app", "ideal", "vllm", "serve-llm")
+PROFILE = Profile(system_tokens=1000, user_tokens=100, reply_tokens=32, turns=3)
+THINK_S = 1.0
+BURST_S = 0.010
+"""A reply whose content chunks all reached the client within this of the first came in one burst."""
+
+
+@dataclass
+class Conversation:
+    """One conversation as the client saw it: (sent at, result) per turn until the first failure."""
+
+    turns: list[tuple[float, TurnResult]]
+    error: str = ""
+    failed_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class CpuUse:
+    """CPU seconds each process role used while one system ran one level (benchmarks.cpu_profile)."""
+
+    system: str
+    concurrency: int
+    replies: int
+    seconds_by_role: dict[str, float]
+
+
+def _error_of(exc: Exception) -> str:
+    status = getattr(exc, "status_code", None)
+    return str(status) if status else type(exc).__name__
+
+
+def converse(plan: ConversationPlan, send, began: float) -> Conversation:
+    """The plan's turns through `send(k) -> TurnResult`, with its think times; stops at a failure."""
+    done = Conversation([])
+    for k, think_s in enumerate((0.0, *plan.think_s)):
+        time.sleep(think_s)
+        sent = time.perf_counter() - began
+        try:
+            done.turns.append((sent, send(k)))
+        except openai.OpenAIError as exc:
+            done.error, done.failed_at = _error_of(exc), sent
+            break
+    return done
+
+
+def chat_sender(client, plan: ConversationPlan, reply_tokens: int, extra: dict):
+    messages = [{"role": "system", "content": plan.system}]
+
+    def send(k: int) -> TurnResult:
+        messages.append({"role": "user", "content": plan.user_turns[k]})
+        result = chat_turn(client, messages, reply_tokens, **extra)
+        messages.append({"role": "assistant", "content": result.text})
+        return result
+
+    return send
+
+
+def plans(tokenizer, level: int, tag: str) -> list[ConversationPlan]:
+    return [plan_conversation(tokenizer, PROFILE, f"{tag} {i} {uuid.uuid4().hex}", THINK_S, seed=i)
+            for i in range(level)]
+
+
+def drive_chat(url: str, conversations: list[ConversationPlan], extra: dict) -> list[Conversation]:
+    client = openai_client(url)
+    began = time.perf_counter()
+    with ThreadPoolExecutor(len(conversations)) as pool:
+        return list(pool.map(lambda p: converse(p, chat_sender(client, p, PROFILE.reply_tokens, extra), began),
+                             conversations))
+
+
+def drive_prompts(url: str, conversations: list[ConversationPlan], prompts: list[list[list[int]]],
+                  model: str) -> list[Conversation]:
+    """The same conversations as token ids: `prompts[i][k]` is conversation i's turn k prompt, as
+    the app rendered it (a conversation the app failed ends where it failed)."""
+    client = openai_client(url)
+    began = time.perf_counter()
+
+    def run(i: int) -> Conversation:
+        plan = conversations[i]
+        plan = ConversationPlan(plan.system, plan.user_turns[:len(prompts[i])], plan.think_s)
+        return converse(plan, lambda k: completion_turn(client, prompts[i][k], PROFILE.reply_tokens, model=model),
+                        began)
+
+    with ThreadPoolExecutor(len(conversations)) as pool:
+        return list(pool.map(run, range(len(conversations))))
+
+
+def rows_for(system: str, level: int, conversations: list[Conversation], decisions: dict,
+             bytes_per_token: int) -> list[Row]:
+    from benchmarks.multi_turn import SystemRun
+
+    run = SystemRun(system, turns=[c.turns for c in conversations])
+    rows = [Row(**{**asdict(r), "concurrency": level}) for r in rows_of(f"c{level}", run, decisions, {},
+                                                                          bytes_per_token)]
+    failed = [Row(f"c{level}", system, i, len(c.turns) + 1, c.failed_at, 0, 0, 0, 0, 0.0, 0.0, 0.0, "", 0, 0,
+                  0.0, 0.0, 0.0, concurrency=level, error=c.error) for i, c in enumerate(conversations) if c.error]
+    return rows + failed
+
+
+@dataclass(frozen=True)
+class LevelSummary:
+    """One system at one level (failed requests are counted, never timed)."""
+
+    first_p50: float
+    later_p50: float
+    later_p99: float
+    itl_p50: float
+    requests_per_s: float
+    tokens_per_s: float
+    one_burst: float
+    later_hits: float
+    prefilled_over_ideal: float
+    failed: int
+
+    @classmethod
+    def of(cls, rows: list[Row], block_size: int) -> "LevelSummary":
+        ok = [r for r in rows if not r.error]
+        later = [r.ttft_s for r in ok if r.turn > 1]
+        wall = max(r.started_s + r.e2e_s for r in ok) - min(r.started_s for r in ok)
+        bursts = [r for r in ok if r.completion_tokens > 1]
+        return cls(statistics.median(r.ttft_s for r in ok if r.turn == 1), statistics.median(later),
+                   percentile(later, 99), statistics.median(r.itl_s for r in ok), len(ok) / wall,
+                   sum(r.completion_tokens for r in ok) / wall,
+                   sum(r.itl_s * (r.completion_tokens - 1) <= BURST_S for r in bursts) / max(len(bursts), 1),
+                   later_hit_share(ok, block_size), sum(r.prefilled_tokens for r in ok) / ideal_tokens(ok),
+                   len(rows) - len(ok))
+
+
+TARGETS = {"later_p50": ("ideal", 1.5, "<="), "later_p99": ("ideal", 2.0, "<="), "first_p50": ("ideal", 1.5, "<="),
+           "requests_per_s": ("ideal", 0.9, ">="), "tokens_per_s": ("ideal", 0.9, ">=")}
+"""Issue 14's targets at 32 and 64 conversations: the app's value over the ideal's."""
+
+
+def summarize(rows: list[Row], config: AppConfig) -> str:
+    levels = sorted({r.concurrency for r in rows})
+    systems = list(dict.fromkeys(r.system for r in rows))
+    table = {(s, n): LevelSummary.of(group, config.block_size) for s in systems for n in levels
+             if (group := [r for r in rows if r.system == s and r.concurrency == n])}
+    lines = ["| conversations | system | turn-1 TTFT p50 ms | later TTFT p50 / p99 ms | ITL p50 ms | requests/s "
+             "| tokens/s | one-burst replies | later-turn hits | prefilled / ideal | failed |", "|" + "---|" * 11]
+    for (system, n), s in table.items():
+        lines.append(f"| {n} | {system} | {s.first_p50 * 1e3:.0f} | {s.later_p50 * 1e3:.0f} / "
+                     f"{s.later_p99 * 1e3:.0f} | {s.itl_p50 * 1e3:.1f} | {s.requests_per_s:.2f} | "
+                     f"{s.tokens_per_s:.0f} | {s.one_burst:.2f} | {s.later_hits:.2f} | "
+                     f"{s.prefilled_over_ideal:.2f}x | {s.failed} |")
+    lines += ["", "Ratios, app / peer (issue 14's targets at 32 and 64 conversations):"]
+    for n in levels:
+        mine = table.get(("app", n))
+        if mine is None:
+            continue
+        ratios = [f"{name} {getattr(mine, name) / getattr(table[(peer, n)], name):.2f}x (target {op} {limit})"
+                  for name, (peer, limit, op) in TARGETS.items() if (peer, n) in table]
+        if ("serve-llm", n) in table:
+            ratios.append(f"later_p50 / serve-llm {mine.later_p50 / table[('serve-llm', n)].later_p50:.2f}x "
+                          "(target <= 0.3)")
+        lines.append(f"- {n} conversations: " + "; ".join(ratios))
+    return "\n".join(lines)
+
+
+def cpu_lines(cpu: list[CpuUse]) -> str:
+    """CPU milliseconds per reply by process role, at each system's highest level."""
+    top = max(c.concurrency for c in cpu)
+    lines = [f"CPU ms per reply by process role at {top} conversations (2 cores: CPU is what binds):", ""]
+    for c in (c for c in cpu if c.concurrency == top):
+        per_reply = {role: seconds * 1e3 / max(c.replies, 1) for role, seconds in c.seconds_by_role.items()}
+        parts = ", ".join(f"{role} {ms:.1f}" for role, ms in per_reply.items())
+        total = sum(per_reply.values())
+        lines.append(f"- {c.system}: {total:.1f} in all: {parts}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], block_size: int, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({r.concurrency for r in rows})
+    figure, (ttft_axis, first_axis, rate_axis) = plt.subplots(1, 3, figsize=(16, 5))
+    for system in dict.fromkeys(r.system for r in rows):
+        points = [(n, LevelSummary.of(group, block_size)) for n in levels
+                  if (group := [r for r in rows if r.system == system and r.concurrency == n])]
+        xs = [n for n, _ in points]
+        line = ttft_axis.plot(xs, [s.later_p50 * 1e3 for _, s in points], "o-", label=f"{system} p50")[0]
+        ttft_axis.plot(xs, [s.later_p99 * 1e3 for _, s in points], "x--", color=line.get_color(),
+                       label=f"{system} p99")
+        first_axis.plot(xs, [s.first_p50 * 1e3 for _, s in points], "o-", color=line.get_color(), label=system)
+        rate_axis.plot(xs, [s.tokens_per_s for _, s in points], "o-", color=line.get_color(), label=system)
+    for axis, title, unit in ((ttft_axis, "Later-turn TTFT", "ms"), (first_axis, "Turn-1 TTFT p50", "ms"),
+                              (rate_axis, "Throughput", "output tokens/s")):
+        axis.set(xscale="log", xlabel="concurrent conversations", ylabel=unit, title=title, xticks=levels,
+                 xticklabels=[str(n) for n in levels])
+        axis.grid(alpha=0.3)
+    ttft_axis.set_yscale("log")
+    first_axis.set_yscale("log")
+    ttft_axis.legend(fontsize=7)
+    rate_axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out / "sweep.png", dpi=100)
+
+
+def write(rows: list[Row], cpu: list[CpuUse], summary: str, config: AppConfig, out: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist([asdict(r) for r in rows]), out / "rows.parquet")
+    pq.write_table(pa.Table.from_pylist([{**asdict(c), "seconds_by_role": list(c.seconds_by_role.items())}
+                                         for c in cpu]), out / "cpu.parquet")
+    (out / "summary.md").write_text(summary + "\n")
+    plot(rows, config.block_size, out)
+
+
+def sweep(levels: list[int], systems: list[str], config: AppConfig) -> tuple[list[Row], list[CpuUse]]:
+    """Start every system once, then at each level drive each in turn (the app first: the ideal
+    replays its prompts)."""
+    from app.launch import replace_app, start_serve
+    from benchmarks.multi_turn import warm_up
+    from benchmarks.peers import plain_vllm, serve_llm_pd
+
+    tokenizer = load_tokenizer(config)
+    model = config.model_name
+    proxy_url = start_serve()
+    urls = {}
+    with ExitStack() as running:
+        if "app" in systems:
+            replace_app(config)
+            urls["app"] = proxy_url
+        if {"ideal", "vllm"} & set(systems):
+            urls["ideal"] = urls["vllm"] = running.enter_context(plain_vllm(config))
+        if "serve-llm" in systems:
+            urls["serve-llm"] = running.enter_context(serve_llm_pd(config, proxy_url))
+        for system in dict.fromkeys(urls[s] for s in systems):
+            warm_up(system, tokenizer, {"model": model})
+        rows: list[Row] = []
+        cpu: list[CpuUse] = []
+        for level in levels:
+            rows += run_level(level, systems, urls, tokenizer, config, cpu)
+            print(f"{level} conversations done", file=sys.stderr)
+    return rows, cpu
+
+
+def run_level(level: int, systems: list[str], urls: dict[str, str], tokenizer, config: AppConfig,
+              cpu: list[CpuUse]) -> list[Row]:
+    rows: list[Row] = []
+    app_plans: list[ConversationPlan] = []
+    prompts: list[list[list[int]]] | None = None
+    bytes_per_token = kv_bytes_per_token(config.model_path())
+    for system in systems:
+        before = snapshot()
+        if system == "ideal":
+            if prompts is None:
+                raise ValueError("the ideal replays the app's prompts: run `app` before `ideal`")
+            done = drive_prompts(urls[system], app_plans, prompts, config.model_name)
+        else:
+            conversations = plans(tokenizer, level, system)
+            done = drive_chat(urls[system], conversations, {"model": config.model_name})
+        cpu.append(CpuUse(system, level, sum(len(c.turns) for c in done), spent_since(before)))
+        decisions = app_decisions(urls[system]) if system == "app" else {}
+        rows += rows_for(system, level, done, decisions, bytes_per_token if system == "app" else 0)
+        if system == "app":
+            app_plans, prompts = conversations, [[r.prompt_ids for _, r in c.turns] for c in done]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="1,4,16,32,64", help="comma-separated conversation counts")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--out", type=Path,
+                        default=Path("benchmarks/results") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = parser.parse_args()
+    config = load_config({"max_model_len": "4096"})
+    rows, cpu = sweep([int(n) for n in args.concurrency.split(",")], args.systems, config)
+    summary = summarize(rows, config) + "\n\n" + cpu_lines(cpu)
+    write(rows, cpu, summary, config, args.out)
+    print(summary)
+    print(f"rows, summary and plot in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

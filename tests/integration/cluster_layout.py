@@ -1,0 +1,227 @@
+"""cluster.yaml's layout on one machine, as Ray's own tests run clusters (ray.cluster_utils.Cluster).
+
+    python -m tests.integration.cluster_layout --out result.json --workdir DIR
+
+A head and one worker node per worker type of cluster.yaml, each worker carrying that type's custom
+resource (prefill_node, decode_node); serve.yaml's application deployed the way `serve run serve.yaml`
+deploys it (the controller builds it from import_path and args), with only what this machine lacks
+overridden; one conversation through it and the same prompts through the oracle. Writes what it
+saw as JSON for tests/integration/test_cluster_layout.py to judge.
+
+Run it in its own process (the test does): it starts and stops its own Ray, under its own
+RAY_TMPDIR, so no `ray.init()` elsewhere on the machine connects to it and it connects to no other.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAD_CPUS = 1
+WORKER_CPUS = 1
+"""Logical CPUs per worker node: one engine bundle's worth, as serve.yaml sizes them here."""
+MAX_TOKENS = 24
+APP_READY_TIMEOUT_S = 240
+
+
+def machine_args(model_cache_dir: str) -> dict[str, Any]:
+    """What serve.yaml's args must become on this 2-core CPU machine: the embedded model on CPU
+    with UCX, one logical CPU and no GPU per engine. Prefill's prefix cache is off (cache loss, as
+    in the integration conftest), so every history token prefill does not compute is a pull.
+    Everything else, bundle_resources included, stays as serve.yaml has it."""
+    return {"model": "tiny-qwen3", "model_cache_dir": model_cache_dir, "device": "cpu", "dtype": "auto",
+            "tensor_parallel_size": 1, "block_size": 32, "max_model_len": 4096, "enforce_eager": True,
+            "nixl_backends": ["UCX"],
+            "prefill": {"cpus_per_replica": 1, "gpus_per_replica": 0, "prefix_caching": False},
+            "decode": {"cpus_per_replica": 1, "gpus_per_replica": 0}}
+
+
+def merged(base: dict, overrides: dict) -> dict:
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merged(base.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def worker_node_types() -> dict[str, dict[str, float]]:
+    """cluster.yaml's worker node types and their custom resources (the head carries none)."""
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    return {name: spec["resources"] for name, spec in config["available_node_types"].items()
+            if name != config["head_node_type"]}
+
+
+def serve_config(model_cache_dir: str, port: int) -> dict:
+    """serve.yaml with machine_args over its application's args, and an HTTP port of our own."""
+    config = yaml.safe_load((ROOT / "serve.yaml").read_text())
+    app = config["applications"][0]
+    app["args"] = merged(app["args"], machine_args(model_cache_dir))
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    return config
+
+
+def start_cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": HEAD_CPUS, "include_dashboard": False})
+    for resources in worker_node_types().values():
+        cluster.add_node(num_cpus=WORKER_CPUS, resources=resources)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def deploy(config: dict):
+    """What `serve run serve.yaml` does: Serve with the config's HTTP options, then the controller
+    imports app:graph and calls it with the args."""
+    from ray.serve._private import api
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(config)
+    client = api.serve_start(http_options=schema.http_options.model_dump(), proxy_location=schema.proxy_location)
+    client.deploy_apps(schema)
+
+
+def wait_until_healthy(url: str, app_name: str) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + APP_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(app_name)
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"deploy failed: {status.message}")
+        if status is not None and status.status == "RUNNING" and _health(url) == "ok":
+            return
+        time.sleep(1)
+    raise TimeoutError(f"{app_name} not healthy after {APP_READY_TIMEOUT_S} s: {serve.status()}")
+
+
+def _health(url: str) -> str | None:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).json().get("status")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def placements() -> dict[str, Any]:
+    """Every node's custom resources, and the node of every live Serve replica actor."""
+    import ray
+    from ray._private.state import actors
+
+    nodes = {n["NodeID"]: {k: v for k, v in n["Resources"].items() if k.endswith("_node")}
+             for n in ray.nodes() if n["Alive"]}
+    replicas = []
+    for actor in actors().values():
+        if actor["State"] == "ALIVE" and actor["Name"].startswith("SERVE_REPLICA::"):
+            _app, deployment, replica_id = actor["Name"].removeprefix("SERVE_REPLICA::").split("#")
+            replicas.append({"deployment": deployment, "replica_id": replica_id,
+                             "node_id": actor["Address"]["NodeID"], "pid": actor["Pid"]})
+    return {"nodes": nodes, "replicas": replicas}
+
+
+def converse(url: str) -> list[dict[str, Any]]:
+    """The integration suite's conversation, every turn through prefill (no short appends on decode)."""
+    from openai import OpenAI
+
+    from tests.integration.conftest import USER_TURNS, run_conversation
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    turns = run_conversation(client, SYSTEM_PROMPT, USER_TURNS, MAX_TOKENS, prefill_on_decode=False)
+    return [{"request_id": t.request_id, "prompt_ids": t.prompt_ids, "output_ids": t.output_ids,
+             "cached_tokens": t.cached_tokens, "ttft_s": t.ttft_s} for t in turns]
+
+
+# Longer than the conftest's: serve.yaml pulls only when it saves 512 tokens or more.
+SYSTEM_PROMPT = "You are a helpful assistant. " + " ".join(
+    f"Rule {i}: the router keeps an index of which replica holds which blocks, and until when." for i in range(50))
+
+
+def run(workdir: Path) -> dict[str, Any]:
+    import ray
+
+    from app.config import load_config
+    from app.launch import free_local_port
+    from app.model.tiny import ensure_tiny_model
+
+    port = free_local_port()
+    config = serve_config(str(workdir / "models"), port)
+    app_config = load_config(config["applications"][0]["args"])
+    ensure_tiny_model(app_config.model_path())  # once here, not raced by three replicas
+    started = time.monotonic()
+    cluster = start_cluster()
+    cluster_up_s = time.monotonic() - started
+    try:
+        ray.init(address=cluster.address, namespace="serve", log_to_driver=False)
+        result = drive(config, app_config, f"http://127.0.0.1:{port}", started)
+        result["timings"]["cluster_up_s"] = cluster_up_s
+        return result
+    finally:
+        stopping = time.monotonic()
+        ray.shutdown()
+        cluster.shutdown()  # the engines' processes go with their raylets
+        print(f"cluster stopped in {time.monotonic() - stopping:.1f} s", flush=True)
+
+
+def drive(config: dict, app_config, url: str, started: float) -> dict[str, Any]:
+    """Deploy, converse, ask the oracle, and collect what the test judges."""
+    import ray
+    from ray import serve
+
+    from app.metrics import kv_bytes_per_token
+    from app.tools.oracle import start_reference
+
+    app_name, timings = config["applications"][0]["name"], {}
+    deploy(config)
+    reference = start_reference(app_config)  # starts beside the app's engines
+    wait_until_healthy(url, app_name)
+    timings["app_healthy_s"] = time.monotonic() - started
+    turns = converse(url)
+    timings["conversation_s"] = time.monotonic() - started - timings["app_healthy_s"]
+    expected = ray.get(reference.generate.remote([t["prompt_ids"] for t in turns], MAX_TOKENS))
+    decisions = httpx.get(f"{url}/admin/decisions", params={"n": 1000}, timeout=30).json()
+    index_stats = serve.get_deployment_handle("KVIndexServer", app_name).stats.remote().result(timeout_s=30)
+    return {**placements(), "turns": turns, "reference_ids": expected, "index_stats": index_stats,
+            "decisions": {d["request_id"]: d for d in decisions}, "timings": timings,
+            "block_size": app_config.block_size, "kv_bytes_per_token": kv_bytes_per_token(app_config.model_path()),
+            "bundle_resources": {"prefill": dict(app_config.prefill.bundle_resources),
+                                 "decode": dict(app_config.decode.bundle_resources)}}
+
+
+def isolate_ray() -> Path:
+    """This process's Ray apart from any other on the machine: a temp dir of its own (where Ray
+    records "the latest cluster", which a bare ray.init() elsewhere would otherwise join) and no
+    inherited address. HAProxy on every node, as cluster.yaml starts Ray, with free stats and
+    metrics ports (fixed by default; another Serve may be running here)."""
+    from app.launch import HAPROXY_ENV, free_local_port
+
+    ray_tmp = Path(tempfile.mkdtemp(prefix="kvlc-"))  # short: Ray's socket paths live under it
+    os.environ.pop("RAY_ADDRESS", None)
+    os.environ.update({"RAY_TMPDIR": str(ray_tmp), HAPROXY_ENV: "1",
+                       "RAY_SERVE_HAPROXY_STATS_PORT": str(free_local_port()),
+                       "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_local_port())})
+    return ray_tmp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--keep-ray-logs", action="store_true")
+    args = parser.parse_args()
+    ray_tmp = isolate_ray()
+    started = time.monotonic()
+    result = run(args.workdir)
+    result["timings"]["total_s"] = time.monotonic() - started
+    args.out.write_text(json.dumps(result))
+    if not args.keep_ray_logs:
+        shutil.rmtree(ray_tmp, ignore_errors=True)  # kept when the run failed: Ray's logs are there
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Load-aware placement: the estimates, their hard limits, and the turn loop's choice from them."""
+
+import asyncio
+import time
+
+from app.placement import PlacementPolicy, Residuals, decode_allowed, estimate
+from app.protocol import (
+    Action,
+    LoadReport,
+    Membership,
+    PrefillResult,
+    PrefixLookup,
+    Reason,
+    ReplyChunk,
+    RetainedMatch,
+    SamplingSettings,
+)
+from app.turn import Turn
+from tests.factories import handoff, retained
+from tests.fakes import DecodeGroup, run_turn, turn_loop
+
+POLICY = PlacementPolicy(itl_weight=0.05, kv_high_watermark=0.9, max_decode_prefill_tokens=2048,
+                         prior_pull_share=0.05)
+COST = 20e-6  # 20 us per token computed
+IDLE = LoadReport(compute_s_per_token=COST, pull_s_per_token=1e-6)
+PROMPT = tuple(range(1, 1025))
+REPLY = [ReplyChunk(token_ids=(5,), text=" 5"), ReplyChunk(token_ids=(6,), text=" 6", finish_reason="length")]
+
+
+def test_an_idle_decode_beats_a_prefill_with_a_queue():
+    sides = estimate(1024, 0, 1024, IDLE, IDLE, prefill_queued=4096, decode_queued=0, policy=POLICY)
+    assert sides.decode_sooner
+    assert sides.on_prefill_ms == round((4096 + 1024) * COST * 1e3, 3)
+
+
+def test_running_streams_count_against_decode():
+    busy = LoadReport(num_running_reqs=64, compute_s_per_token=COST)
+    sides = estimate(1024, 0, 1024, IDLE, busy, prefill_queued=0, decode_queued=0, policy=POLICY)
+    assert not sides.decode_sooner
+    assert sides.on_decode_ms == round((1024 * COST + 0.05 * 64 * 1024 * COST) * 1e3, 3)
+
+
+def test_a_pull_is_charged_at_the_measured_cost_and_at_a_prior_share_before_any():
+    unmeasured = LoadReport(compute_s_per_token=COST)
+    measured = estimate(64, 960, 64, IDLE, IDLE, 0, 0, POLICY)
+    prior = estimate(64, 960, 64, unmeasured, unmeasured, 0, 0, POLICY)
+    assert measured.on_prefill_ms == round((64 * COST + 960 * 1e-6) * 1e3, 3)
+    assert prior.on_prefill_ms == round((64 * COST + 960 * COST * 0.05) * 1e3, 3)
+
+
+def test_hard_limits_keep_a_prompt_off_decode():
+    assert decode_allowed(2048, IDLE, POLICY)
+    assert not decode_allowed(2049, IDLE, POLICY)
+    assert not decode_allowed(100, LoadReport(kv_cache_usage=0.95, compute_s_per_token=COST), POLICY)
+    assert not decode_allowed(100, LoadReport(), POLICY)  # not measured yet
+
+
+def test_residuals_learn_what_the_estimates_miss():
+    residuals = Residuals(alpha=0.5)
+    raw = estimate(1024, 0, 1024, IDLE, IDLE, 0, 0, POLICY)
+    for _ in range(20):
+        residuals.observe(residuals.corrected(raw), on_decode=False, measured_ms=raw.on_prefill_ms + 12.0)
+    corrected = residuals.corrected(raw)
+    assert abs(corrected.on_prefill_ms - raw.on_prefill_ms - 12.0) < 0.01
+    assert corrected.on_decode_ms == raw.on_decode_ms
+
+
+def _members(prefill: LoadReport, decode: LoadReport) -> Membership:
+    return Membership(("p0",), ("d0",), loads={"p0": prefill, "d0": decode})
+
+
+PREFILLED = PrefillResult(replica_id="p0", handoff=handoff(len(PROMPT) + 1, 0.0, name="prefill-0"),
+                          num_prompt_tokens=len(PROMPT), num_cached_tokens=0,
+                          first_chunk=ReplyChunk(token_ids=(4,), text=" 4"))
+
+
+def _run(loop, prompt=PROMPT):
+    return asyncio.run(run_turn(loop, Turn("t", prompt, "salt", SamplingSettings(max_tokens=3, temperature=0.0))))
+
+
+def test_a_first_turn_goes_to_an_idle_decode_while_prefill_is_queued():
+    lookup = PrefixLookup(prefill_cached_tokens={"p0": 0})
+    loop = turn_loop(PREFILLED, DecodeGroup(REPLY), lookup, members=_members(IDLE, IDLE))
+    loop.journal.queued_tokens["p0"] = 8192
+    _, prepared = _run(loop)
+    assert prepared.decision.action == Action.PREFILL_ON_DECODE
+    assert prepared.decision.reason == Reason.DECODE_SOONER and prepared.decision.decode_replica_id == "d0"
+    assert prepared.log_entry["placement"]["prefill_queued_tokens"] == 8192
+
+
+def test_a_first_turn_stays_on_prefill_when_decode_is_busy_or_costs_are_unknown():
+    lookup = PrefixLookup(prefill_cached_tokens={"p0": 0})
+    busy = LoadReport(num_running_reqs=64, compute_s_per_token=COST)
+    for decode in (busy, LoadReport()):
+        loop = turn_loop(PREFILLED, DecodeGroup(REPLY), lookup, members=_members(IDLE, decode))
+        _, prepared = _run(loop)
+        assert prepared.decision.action == Action.RECOMPUTE
+
+
+def test_a_short_append_goes_through_prefill_when_decode_is_the_busy_side():
+    history = list(PROMPT)
+    prompt = (*PROMPT, *range(2000, 2064))
+    lookup = PrefixLookup(prefill_cached_tokens={"p0": 0},
+                          retained=RetainedMatch(retained(history, time.time() + 60, replica_id="d0"),
+                                                 len(history) // 32))
+    busy = LoadReport(num_running_reqs=64, compute_s_per_token=COST, pull_s_per_token=1e-7)
+    quiet = LoadReport(compute_s_per_token=COST, pull_s_per_token=1e-7)
+    loop = turn_loop(PREFILLED, DecodeGroup(REPLY), lookup, members=_members(quiet, busy))
+    loop.journal.queued_tokens["d0"] = 20000  # decode is computing other turns' prompts
+    _, prepared = _run(loop, prompt)
+    assert prepared.decision.action == Action.PULL and prepared.decision.placement is not None
+    idle_decode = turn_loop(PREFILLED, DecodeGroup(REPLY), lookup, members=_members(quiet, quiet))
+    _, prepared = _run(idle_decode, prompt)
+    assert prepared.decision.action == Action.PREFILL_ON_DECODE and prepared.decision.reason == Reason.SHORT_APPEND
+
+
+def test_engines_measure_their_costs_from_vllm_s_own_stats():
+    from app.engine import LoadTracker
+
+    tracker = LoadTracker(kv_bytes_per_token=1024)
+    tracker.observe_prefill(0.5, 8)  # too short to measure
+    tracker.observe_prefill(0.02, 1000)
+    tracker.observe_prefill(0.04, 1000)
+    assert abs(tracker.report.compute_s_per_token - (20e-6 + 0.2 * 20e-6)) < 1e-12
+    tracker.observe_transfers({"transfer_duration": [0.001, 0.001], "bytes_transferred": [1024 * 1000, 1024 * 1000]})
+    assert abs(tracker.report.pull_s_per_token - 1e-6) < 1e-12
+    tracker.observe_step(3, 1, 0.25)
+    assert (tracker.report.num_running_reqs, tracker.report.kv_cache_usage) == (3, 0.25)
+    assert tracker.report.compute_s_per_token > 0  # a step keeps the measured costs
