@@ -37,6 +37,10 @@ class LiveEngines:
         now = time.monotonic() if now is None else now
         return [r for r in self.members.of(role) if self._suspects.get(r, 0.0) <= now]
 
+    def gone(self, role: Role, replica_id: str) -> bool:
+        """A named replica is no longer live: a call waiting on it should be abandoned."""
+        return bool(replica_id) and replica_id not in self.live(role)
+
     def pick(self, role: Role, preferred: str = "") -> str | None:
         """The preferred replica if live, else the live one with the fewest open streams."""
         live = self.live(role)

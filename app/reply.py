@@ -6,7 +6,7 @@
 
 import asyncio
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -21,24 +21,49 @@ class StageTimeout(TimeoutError):
     """A stage of the turn did not answer within its configured timeout: the router answers 504."""
 
 
-class ReplyStream:
-    """One engine call's streamed chunks, counted as load on its replica until closed."""
+class EngineGone(RuntimeError):
+    """The replica a call waits on left the live set (its heartbeats stopped, or a call to it failed)."""
 
-    def __init__(self, group: Any, streams: Counter[str], role: Role, request: DecodeRequest) -> None:
+
+GONE_POLL_S = 0.5
+"""How often a call that has not answered yet checks that its replica is still live."""
+
+
+async def unless_gone(awaitable: Awaitable, gone: Callable[[], bool], poll_s: float = GONE_POLL_S):
+    """`awaitable`'s result, or EngineGone once `gone()`: a call to a replica that died can wait
+    in Serve's queue for a replacement replica (tens of seconds) instead of failing."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while not (await asyncio.wait({task}, timeout=poll_s))[0]:
+            if gone():
+                raise EngineGone("the replica left the live set while the call waited")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+class ReplyStream:
+    """One engine call's streamed chunks, counted as load on its replica until closed. Until its
+    first chunk arrives the call is abandoned if its replica is `gone`."""
+
+    def __init__(self, group: Any, streams: Counter[str], role: Role, request: DecodeRequest,
+                 gone: Callable[[], bool]) -> None:
         """`group`: the role's deployment handle; `streams`: open streams per replica (the router's view)."""
         self.role, self.request, self.replica_id = role, request, request.target_replica_id
-        self._streams = streams
+        self._streams, self._gone = streams, gone
         self._streams[self.replica_id] += 1
         self._chunks = group.options(stream=True).generate.remote(request)
-        self._open, self.finished = True, False
+        self._open, self.started, self.finished = True, False, False
 
     async def next(self, timeout_s: float, stage: str) -> ReplyChunk:
+        waiting = self._chunks.__anext__()
         try:
-            chunk = await timed(self._chunks.__anext__(), timeout_s, stage)
+            chunk = await timed(waiting if self.started else unless_gone(waiting, self._gone), timeout_s, stage)
         except StopAsyncIteration:
             self.finished = True
             raise
-        self.finished = chunk.finish_reason is not None
+        self.started, self.finished = True, chunk.finish_reason is not None
         return chunk
 
     def close(self) -> None:

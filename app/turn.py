@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from app.config import AppConfig
@@ -45,7 +46,7 @@ from app.protocol import (
     RoutingDecision,
     SamplingSettings,
 )
-from app.reply import NoEngineAlive, ReplyStream, StageTimeout, migrated, timed
+from app.reply import EngineGone, NoEngineAlive, ReplyStream, StageTimeout, migrated, timed, unless_gone
 from app.routing import CostWeights, PrefillChooser, RoutingPolicy
 
 logger = logging.getLogger("ray.serve")
@@ -363,7 +364,7 @@ class TurnLoop:
             except (StageTimeout, NoEngineAlive):
                 raise
             except Exception as exc:  # noqa: BLE001 - another engine, or the other group, can take the turn
-                if decision.action == Action.PULL:  # recompute on the same replica, pulling nothing
+                if decision.action == Action.PULL and not isinstance(exc, EngineGone):  # recompute, pulling nothing
                     self._failed("", "kv_pull", turn.request_id, exc)
                     decision = replace(decision, action=Action.RECOMPUTE, reason=Reason.PULL_FAILED, pull=None)
                     continue
@@ -392,8 +393,9 @@ class TurnLoop:
         load = len(turn.prompt_token_ids) - decision.tokens_local
         self.journal.queued_tokens[decision.prefill_replica_id] += load
         try:
-            result = await timed(self.groups[Role.PREFILL].prefill.remote(request), self.limits.prefill_timeout_s,
-                                  "prefill")
+            gone = partial(self.engines.gone, Role.PREFILL, request.target_replica_id)
+            result = await timed(unless_gone(self.groups[Role.PREFILL].prefill.remote(request), gone),
+                                 self.limits.prefill_timeout_s, "prefill")
         finally:
             self.journal.queued_tokens[decision.prefill_replica_id] -= load
         ledger.pulled = decision.action == Action.PULL
@@ -452,7 +454,8 @@ class TurnLoop:
         raise NoEngineAlive("no engine is ready; retry shortly")
 
     def _stream(self, role: Role, request: DecodeRequest) -> ReplyStream:
-        return ReplyStream(self.groups[role], self.engines.streams, role, request)
+        return ReplyStream(self.groups[role], self.engines.streams, role, request,
+                           gone=partial(self.engines.gone, role, request.target_replica_id))
 
     def _failed(self, replica_id: str, stage: str, request_id: str, exc: BaseException) -> None:
         self.engines.suspect(replica_id)

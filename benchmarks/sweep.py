@@ -1,7 +1,8 @@
 """The concurrency sweep: every system at each level of concurrent conversations, in one run.
 
 Systems (all up for the whole run, each driven alone while the others idle):
-- `app`: this project's default, `serve run app:graph` as shipped;
+- `app`: this project's default, `serve run app:graph` as shipped; `app-fixed`: the same
+  deployment with the fixed placement rule per request (load-aware placement off);
 - `ideal`: one plain vLLM engine fed exactly the app's prompt token ids of the same level through
   `/v1/completions` (same reuse, no rendering, no disaggregation): the single-engine ideal;
 - `vllm`: the same plain vLLM engine through its chat API, as users run it today;
@@ -35,7 +36,9 @@ from benchmarks.multi_turn import app_decisions, rows_of
 from benchmarks.report import Row, ideal_tokens, later_hit_share, percentile
 from benchmarks.workload import ConversationPlan, Profile, load_tokenizer, openai_client, plan_conversation
 
-SYSTEMS = ("app", "ideal", "vllm", "serve-llm")
+SYSTEMS = ("app", "app-fixed", "ideal", "vllm", "serve-llm")
+APP_EXTRA = {"app": {}, "app-fixed": {"load_aware_placement": False}}
+"""The app as shipped, and with the fixed placement rule (per request), on the same deployment."""
 PROFILE = Profile(system_tokens=1000, user_tokens=100, reply_tokens=32, turns=3)
 THINK_S = 1.0
 BURST_S = 0.010
@@ -180,6 +183,14 @@ def summarize(rows: list[Row], config: AppConfig) -> str:
                      f"{s.later_p99 * 1e3:.0f} | {s.itl_p50 * 1e3:.1f} | {s.requests_per_s:.2f} | "
                      f"{s.tokens_per_s:.0f} | {s.one_burst:.2f} | {s.later_hits:.2f} | "
                      f"{s.prefilled_over_ideal:.2f}x | {s.failed} |")
+    lines += ["", "Where the app computed prompts (share of turns on decode, first turns / later turns):"]
+    for system in (s for s in systems if s in APP_EXTRA):
+        shares = []
+        for n in levels:
+            ok = [r for r in rows if r.system == system and r.concurrency == n and not r.error]
+            first, later = [r for r in ok if r.turn == 1], [r for r in ok if r.turn > 1]
+            shares.append(f"{n}: {_on_decode_share(first):.2f} / {_on_decode_share(later):.2f}")
+        lines.append(f"- {system}: " + "; ".join(shares))
     lines += ["", "Ratios, app / peer (issue 14's targets at 32 and 64 conversations):"]
     for n in levels:
         mine = table.get(("app", n))
@@ -204,6 +215,10 @@ def cpu_lines(cpu: list[CpuUse]) -> str:
         total = sum(per_reply.values())
         lines.append(f"- {c.system}: {total:.1f} in all: {parts}")
     return "\n".join(lines)
+
+
+def _on_decode_share(rows: list[Row]) -> float:
+    return sum(r.decision == "prefill_on_decode" for r in rows) / max(len(rows), 1)
 
 
 def plot(rows: list[Row], block_size: int, out: Path) -> None:
@@ -260,9 +275,9 @@ def sweep(levels: list[int], systems: list[str], config: AppConfig) -> tuple[lis
     proxy_url = start_serve()
     urls = {}
     with ExitStack() as running:
-        if "app" in systems:
+        if set(APP_EXTRA) & set(systems):
             replace_app(config)
-            urls["app"] = proxy_url
+            urls.update(dict.fromkeys(APP_EXTRA, proxy_url))
         if {"ideal", "vllm"} & set(systems):
             urls["ideal"] = urls["vllm"] = running.enter_context(plain_vllm(config))
         if "serve-llm" in systems:
@@ -291,10 +306,10 @@ def run_level(level: int, systems: list[str], urls: dict[str, str], tokenizer, c
             done = drive_prompts(urls[system], app_plans, prompts, config.model_name)
         else:
             conversations = plans(tokenizer, level, system)
-            done = drive_chat(urls[system], conversations, {"model": config.model_name})
+            done = drive_chat(urls[system], conversations, {"model": config.model_name, **APP_EXTRA.get(system, {})})
         cpu.append(CpuUse(system, level, sum(len(c.turns) for c in done), spent_since(before)))
-        decisions = app_decisions(urls[system]) if system == "app" else {}
-        rows += rows_for(system, level, done, decisions, bytes_per_token if system == "app" else 0)
+        decisions = app_decisions(urls[system]) if system in APP_EXTRA else {}
+        rows += rows_for(system, level, done, decisions, bytes_per_token if system in APP_EXTRA else 0)
         if system == "app":
             app_plans, prompts = conversations, [[r.prompt_ids for _, r in c.turns] for c in done]
     return rows

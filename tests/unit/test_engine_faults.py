@@ -118,3 +118,21 @@ def test_prefill_s_handoff_is_released_when_the_reply_moved_before_decode_read_i
     asyncio.run(run_turn(loop, _turn()))
     assert decode.generate.calls[1].handoff is None, "the moved reply computed its prompt itself"
     assert decode.release.calls == [PREFILLED.handoff], "nobody read prefill's blocks: released at once"
+
+
+def test_a_call_waiting_on_a_replica_that_leaves_the_live_set_is_abandoned():
+    """Serve can hold a call to a dead replica until its replacement starts (tens of seconds):
+    the router gives up on it once the replica's heartbeats stop."""
+    from app.reply import EngineGone, unless_gone
+
+    async def scenario():
+        members = {"d0"}
+        never = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.05, members.clear)
+        started = time.perf_counter()
+        with pytest.raises(EngineGone):
+            await unless_gone(never, lambda: "d0" not in members, poll_s=0.01)
+        assert never.cancelled() and time.perf_counter() - started < 1
+        assert await unless_gone(asyncio.sleep(0.02, "answer"), lambda: False, poll_s=0.01) == "answer"
+
+    asyncio.run(scenario())
