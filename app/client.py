@@ -58,12 +58,13 @@ def completion_turn(client: OpenAI, prompt_ids: list[int], max_tokens: int, mode
 
 
 def _streamed(create, kwargs: dict[str, Any], content_of) -> TurnResult:
-    """Timings from the client's side: the first and the last chunk that carries content."""
+    """Timings from the client's side: the first and the last chunk that carries tokens (a token
+    whose text is an incomplete character arrives with empty text: it counts too)."""
     chunks, ttft, last = [], None, 0.0
     start = time.perf_counter()
     for chunk in create(**kwargs, stream=True, stream_options={"include_usage": True}):
         dumped = chunk.model_dump()
-        if dumped["choices"] and content_of(dumped["choices"][0]):
+        if dumped["choices"] and (dumped["choices"][0].get("token_ids") or content_of(dumped["choices"][0])):
             last = time.perf_counter() - start
             ttft = last if ttft is None else ttft
         chunks.append(dumped)

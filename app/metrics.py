@@ -14,11 +14,23 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 
 def kv_bytes_per_token(model_path: Path) -> int:
     """2 (K and V) x layers x KV heads x head dim x bytes per element, from the model's config."""
-    cfg = json.loads((model_path / "config.json").read_text())
+    cfg = model_config(model_path)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
+
+
+def model_config(model_path: Path) -> dict:
+    """The model's config.json: from its folder, else (a hub id such as serve.yaml's) from the
+    Hugging Face cache, as vLLM and the tokenizer load it. The router runs on whichever node Serve
+    picks, often not one where the weights were put."""
+    local = model_path / "config.json"
+    if local.is_file():
+        return json.loads(local.read_text())
+    from huggingface_hub import hf_hub_download
+
+    return json.loads(Path(hf_hub_download(str(model_path), "config.json")).read_text())
 
 
 class TurnMetrics:

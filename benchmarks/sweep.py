@@ -257,8 +257,10 @@ def write(rows: list[Row], cpu: list[CpuUse], summary: str, config: AppConfig, o
 
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist([asdict(r) for r in rows]), out / "rows.parquet")
-    pq.write_table(pa.Table.from_pylist([{**asdict(c), "seconds_by_role": list(c.seconds_by_role.items())}
-                                         for c in cpu]), out / "cpu.parquet")
+    pq.write_table(pa.Table.from_pylist([{"system": c.system, "concurrency": c.concurrency, "replies": c.replies,
+                                          "role": role, "cpu_s": seconds}
+                                         for c in cpu for role, seconds in c.seconds_by_role.items()]),
+                   out / "cpu.parquet")
     (out / "summary.md").write_text(summary + "\n")
     plot(rows, config.block_size, out)
 
@@ -325,8 +327,8 @@ def main() -> None:
     config = load_config({"max_model_len": "4096"})
     rows, cpu = sweep([int(n) for n in args.concurrency.split(",")], args.systems, config)
     summary = summarize(rows, config) + "\n\n" + cpu_lines(cpu)
+    print(summary, flush=True)
     write(rows, cpu, summary, config, args.out)
-    print(summary)
     print(f"rows, summary and plot in {args.out}")
 
 

@@ -131,20 +131,23 @@ def panel_series(panel: dict, prometheus: str, start: float, end: float, step: f
 
 
 # ---- drawing -------------------------------------------------------------------------------------------
-def draw(board: dict, data: dict[int, list[Series]], out: Path, row_inches: float = 0.42) -> None:
-    """The dashboard's panels on its grid; `data`: each query panel's series by panel id."""
+def draw(board: dict, data: dict[int, list[Series]], out: Path, subtitle: str = "",
+         marks: list[tuple[float, str]] = (), row_inches: float = 0.42) -> None:
+    """The dashboard's panels on its grid; `data`: each query panel's series by panel id; `marks`: (unix time,
+    label) drawn as a dashed line on every panel, like Grafana's annotations."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     cells, height = layout(board["panels"])
     width_in, top_in = 20.0, 0.5
     fig = plt.figure(figsize=(width_in, height * row_inches + top_in))
     fig_h = height * row_inches + top_in
     fig.text(0.01, 1 - 0.3 / fig_h, board["title"], fontsize=15, fontweight="bold", va="center")
+    fig.text(0.07, 1 - 0.3 / fig_h, subtitle, fontsize=10, va="center")
 
     def rect(cell: Cell, left: float, right: float, top: float, bottom: float) -> list[float]:
         """The cell in figure fractions, less margins in inches (room for ticks, title and legend)."""
@@ -184,6 +187,14 @@ def draw(board: dict, data: dict[int, list[Series]], out: Path, row_inches: floa
                 ax.plot(times, s.values, label=label, linewidth=1.3)
         ax.set_ylim(bottom=0)
         ax.set_xlim(times[0], times[-1])
+        top = ax.get_ylim()[1]
+        if unit == "s":  # ticks at round numbers of the unit shown (min, h), not of seconds
+            scale = next((k for k in (3600, 60, 1) if top >= 2 * k), 1e-3)
+            ax.set_yticks(MaxNLocator(5).tick_values(0, top / scale) * scale)
+            ax.set_ylim(0, top)
+        for when, label in marks:
+            ax.axvline(datetime.fromtimestamp(when), color="grey", linestyle="--", linewidth=0.8)
+            ax.text(datetime.fromtimestamp(when), top, f" {label}", fontsize=7, color="grey", va="top")
         ax.legend(loc="upper left", bbox_to_anchor=(0, -0.1), fontsize=7.5, frameon=False,
                   ncol=1 if len(series) <= 5 else 2, handlelength=1.2, borderaxespad=0)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -191,15 +202,15 @@ def draw(board: dict, data: dict[int, list[Series]], out: Path, row_inches: floa
     plt.close(fig)
 
 
-def render(prometheus: str, start: float, end: float, out: Path, step: float = 5, rate_interval: str = "30s",
-           dashboard: Path = DASHBOARD) -> dict[str, int]:
+def render(prometheus: str, start: float, end: float, out: Path, step: float = 5, rate_interval: str = "1m",
+           dashboard: Path = DASHBOARD, subtitle: str = "", marks: list[tuple[float, str]] = ()) -> dict[str, int]:
     """Draws the dashboard into `out`; returns the number of series of each query panel, by title."""
     board = json.loads(dashboard.read_text())
     start, end = math.floor(start), math.ceil(end)  # whole seconds: the answer's timestamps match the grid
     variables = {"__rate_interval": rate_interval, "__interval": f"{step:g}s", "__range": f"{end - start}s"}
     queried = [c.panel for c in layout(board["panels"])[0] if c.panel["type"] != "row"]
     data = {p["id"]: panel_series(p, prometheus, start, end, step, variables) for p in queried}
-    draw(board, data, out)
+    draw(board, data, out, subtitle, marks)
     return {p["title"]: len(data[p["id"]]) for p in queried}
 
 
@@ -216,11 +227,17 @@ def main() -> int:
     parser.add_argument("--start", type=timestamp, required=True)
     parser.add_argument("--end", type=timestamp, required=True)
     parser.add_argument("--step", type=float, default=5, help="seconds between points")
-    parser.add_argument("--rate-interval", default="30s", help="replaces $__rate_interval")
+    parser.add_argument("--rate-interval", default="1m",
+                        help="replaces $__rate_interval (Ray exports every 10 s: shorter windows zigzag)")
     parser.add_argument("--dashboard", type=Path, default=DASHBOARD)
+    parser.add_argument("--subtitle", default="", help="a line beside the dashboard's title")
+    parser.add_argument("--mark", nargs="+", default=[], metavar="TIME=LABEL",
+                        help="a dashed line on every panel at TIME (unix s or ISO), labelled")
     parser.add_argument("--out", type=Path, default=Path("docs/img/dashboard.png"))
     args = parser.parse_args()
-    counts = render(args.prometheus, args.start, args.end, args.out, args.step, args.rate_interval, args.dashboard)
+    marks = [(timestamp(m.split("=", 1)[0]), m.split("=", 1)[1]) for m in args.mark]
+    counts = render(args.prometheus, args.start, args.end, args.out, args.step, args.rate_interval, args.dashboard,
+                    args.subtitle, marks)
     for title, n in counts.items():
         print(f"{n:3d} series  {title}")
     print(f"wrote {args.out}")

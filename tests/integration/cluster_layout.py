@@ -30,6 +30,9 @@ WORKER_CPUS = 1
 """Logical CPUs per worker node: one engine bundle's worth, as serve.yaml sizes them here."""
 MAX_TOKENS = 24
 APP_READY_TIMEOUT_S = 240
+# Longer than the conftest's: serve.yaml pulls only when that saves 512 tokens or more.
+SYSTEM_PROMPT = "You are a helpful assistant. " + " ".join(
+    f"Rule {i}: the router keeps an index of which replica holds which blocks, and until when." for i in range(50))
 
 
 def machine_args(model_cache_dir: str) -> dict[str, Any]:
@@ -59,20 +62,27 @@ def worker_node_types() -> dict[str, dict[str, float]]:
 
 
 def serve_config(model_cache_dir: str, port: int) -> dict:
-    """serve.yaml with machine_args over its application's args, and an HTTP port of our own."""
+    """serve.yaml with machine_args over its application's args. Serve's own options: an HTTP port
+    of our own (the host stays Serve's default, every interface, which HAProxy on one node needs to
+    reach a router replica on another), and one ingress for the machine instead of one per node:
+    the nodes share this machine's ports, and a second HAProxy on the same port cannot start."""
     config = yaml.safe_load((ROOT / "serve.yaml").read_text())
     app = config["applications"][0]
     app["args"] = merged(app["args"], machine_args(model_cache_dir))
-    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    config["http_options"] = {**config.get("http_options", {}), "port": port}
+    config["proxy_location"] = "HeadOnly"
     return config
 
 
 def start_cluster():
+    """Each worker node on an address of its own, a loopback alias (Linux routes all of 127/8
+    locally): what a process binds on its node's address is reachable only there, so a peer that
+    dials the wrong node's address fails here as it would across machines."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": HEAD_CPUS, "include_dashboard": False})
-    for resources in worker_node_types().values():
-        cluster.add_node(num_cpus=WORKER_CPUS, resources=resources)
+    for i, resources in enumerate(worker_node_types().values()):
+        cluster.add_node(num_cpus=WORKER_CPUS, resources=resources, node_ip_address=f"127.0.0.{i + 2}")
     cluster.wait_for_nodes()
     return cluster
 
@@ -114,7 +124,8 @@ def placements() -> dict[str, Any]:
     import ray
     from ray._private.state import actors
 
-    nodes = {n["NodeID"]: {k: v for k, v in n["Resources"].items() if k.endswith("_node")}
+    nodes = {n["NodeID"]: {"address": n["NodeManagerAddress"],
+                           "resources": {k: v for k, v in n["Resources"].items() if k.endswith("_node")}}
              for n in ray.nodes() if n["Alive"]}
     replicas = []
     for actor in actors().values():
@@ -135,11 +146,6 @@ def converse(url: str) -> list[dict[str, Any]]:
     turns = run_conversation(client, SYSTEM_PROMPT, USER_TURNS, MAX_TOKENS, prefill_on_decode=False)
     return [{"request_id": t.request_id, "prompt_ids": t.prompt_ids, "output_ids": t.output_ids,
              "cached_tokens": t.cached_tokens, "ttft_s": t.ttft_s} for t in turns]
-
-
-# Longer than the conftest's: serve.yaml pulls only when it saves 512 tokens or more.
-SYSTEM_PROMPT = "You are a helpful assistant. " + " ".join(
-    f"Rule {i}: the router keeps an index of which replica holds which blocks, and until when." for i in range(50))
 
 
 def run(workdir: Path) -> dict[str, Any]:
@@ -196,7 +202,7 @@ def drive(config: dict, app_config, url: str, started: float) -> dict[str, Any]:
 def isolate_ray() -> Path:
     """This process's Ray apart from any other on the machine: a temp dir of its own (where Ray
     records "the latest cluster", which a bare ray.init() elsewhere would otherwise join) and no
-    inherited address. HAProxy on every node, as cluster.yaml starts Ray, with free stats and
+    inherited address. Serve's HAProxy ingress, as cluster.yaml starts Ray, with free stats and
     metrics ports (fixed by default; another Serve may be running here)."""
     from app.launch import HAPROXY_ENV, free_local_port
 

@@ -22,8 +22,11 @@ USER_TURNS = ["What is the capital of France?", "Summarise section two.", "List 
 
 
 def pytest_collection_modifyitems(items):
-    """Fault tests run last: they kill parts of the shared app (which comes back whole after each)."""
-    items.sort(key=lambda item: item.get_closest_marker("faults") is not None)
+    """Cluster tests run first, before the shared app starts: they run a multi-node Ray of their own
+    and would share 2 cores with it. Fault tests run last: they kill parts of the shared app
+    (which comes back whole after each)."""
+    items.sort(key=lambda item: (item.get_closest_marker("cluster") is None) + (item.get_closest_marker("faults")
+                                                                                 is not None))
 
 
 @pytest.fixture(scope="session")
