@@ -4,7 +4,7 @@ the first token sooner, from both sides' live load and each engine's measured co
 
     on prefill P = (queued_P + to compute on P) x compute_P + pulled x pull_P
     on decode D  = (queued_D + to compute on D) x compute_D + itl_weight x running_D x (to compute) x compute_D
-    each side + what its estimates missed lately (hops, scheduling: `Residuals`, from measured turns)
+    each side then calibrated against measured turns: slope x estimate + offset (`Calibration`)
 
 queued: prompt tokens this router has sent to the replica and not yet seen answered; running:
 decode's streams, which stall while it computes a prompt (the itl_weight term charges for them);
@@ -54,7 +54,7 @@ def decode_allowed(decode_compute: int, decode: LoadReport, policy: PlacementPol
 
 
 def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[RoutingDecision],
-          load: Callable[[str], LoadReport], queued: Mapping[str, int], residuals: "Residuals",
+          load: Callable[[str], LoadReport], queued: Mapping[str, int], calibration: "Calibration",
           policy: PlacementPolicy) -> RoutingDecision:
     """`on_prefill`, or the `on_decode` candidate estimated to answer soonest if sooner than it;
     the chosen decision carries the estimate it won by. Without measured costs on both sides, the
@@ -67,7 +67,7 @@ def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[Routi
         if not (decode_load.compute_s_per_token and prefill_load.compute_s_per_token):
             best = best or (candidate if candidate.retained else None)
             continue
-        sides = residuals.corrected(estimate(
+        sides = calibration.corrected(estimate(
             prompt_tokens - on_prefill.tokens_local - on_prefill.pulled_tokens, on_prefill.pulled_tokens,
             decode_compute, prefill_load, decode_load, queued.get(on_prefill.prefill_replica_id, 0),
             queued.get(decode_id, 0), policy))
@@ -79,23 +79,54 @@ def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[Routi
     return best or on_prefill
 
 
-class Residuals:
-    """What the estimates miss on each side (the prefill hop and handoff, scheduling, the router's
-    own work), learned from each placed turn's measured time to its first chunk."""
+class Calibration:
+    """Each side's measured time to its first chunk against its raw estimate, as a line fitted
+    online (exponentially weighted least squares): measured ~ slope x raw + offset. The offset is
+    what the formula misses whatever the size (the prefill hop and handoff, the router's work);
+    the slope, what scales with it (batching with other requests, cores shared with other
+    processes). An offset alone, learned from a mix of long first turns and short appends, carried
+    the first turns' errors onto the appends: at 64 conversations it reached -300 ms, and every
+    append looked free on both sides."""
 
-    def __init__(self, alpha: float = 0.1) -> None:
-        self.alpha = alpha
-        self.ms = {"prefill": 0.0, "decode": 0.0}
+    def __init__(self, alpha: float = 0.05, slope_range: tuple[float, float] = (0.25, 4.0),
+                 min_spread_ms: float = 10.0) -> None:
+        self.fits = {side: _LineFit(alpha, slope_range, min_spread_ms) for side in ("prefill", "decode")}
 
     def observe(self, placed: Estimate, on_decode: bool, measured_ms: float) -> None:
         """`placed`: the corrected estimate the turn was placed by; `measured_ms`: plan to first chunk."""
         side = "decode" if on_decode else "prefill"
         raw = placed.on_decode_ms - placed.decode_residual_ms if on_decode else (
             placed.on_prefill_ms - placed.prefill_residual_ms)
-        self.ms[side] += self.alpha * (measured_ms - raw - self.ms[side])
+        self.fits[side].add(raw, measured_ms)
 
     def corrected(self, raw: Estimate) -> Estimate:
-        prefill, decode = round(self.ms["prefill"], 3), round(self.ms["decode"], 3)
-        return replace(raw, on_prefill_ms=round(raw.on_prefill_ms + prefill, 3),
-                       on_decode_ms=round(raw.on_decode_ms + decode, 3), prefill_residual_ms=prefill,
-                       decode_residual_ms=decode)
+        on_prefill = round(self.fits["prefill"].predict(raw.on_prefill_ms), 3)
+        on_decode = round(self.fits["decode"].predict(raw.on_decode_ms), 3)
+        return replace(raw, on_prefill_ms=on_prefill, on_decode_ms=on_decode,
+                       prefill_residual_ms=round(on_prefill - raw.on_prefill_ms, 3),
+                       decode_residual_ms=round(on_decode - raw.on_decode_ms, 3))
+
+
+class _LineFit:
+    """y ~ slope x + offset over exponentially weighted samples; slope 1 until the raw estimates
+    have spread enough to tell a slope from noise, and within `slope_range` after."""
+
+    def __init__(self, alpha: float, slope_range: tuple[float, float], min_spread_ms: float) -> None:
+        self.alpha, self.slope_range, self.min_spread_ms = alpha, slope_range, min_spread_ms
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        keep = 1 - self.alpha
+        self.w, self.x, self.y = keep * self.w + self.alpha, keep * self.x + self.alpha * x, keep * self.y + self.alpha * y
+        self.xx, self.xy = keep * self.xx + self.alpha * x * x, keep * self.xy + self.alpha * x * y
+
+    def predict(self, x: float) -> float:
+        if self.w == 0:
+            return x
+        mean_x, mean_y = self.x / self.w, self.y / self.w
+        variance = self.xx / self.w - mean_x * mean_x
+        slope = 1.0
+        if variance > self.min_spread_ms ** 2:
+            low, high = self.slope_range
+            slope = min(max((self.xy / self.w - mean_x * mean_y) / variance, low), high)
+        return max(mean_y + slope * (x - mean_x), 0.0)

@@ -36,7 +36,7 @@ class LoadReport:
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
     compute_s_per_token: float = 0.0
-    """Seconds per prompt token computed: a probe at start-up, then finished prefills (0: unknown)."""
+    """Seconds per prompt token computed: a probe at start-up, then prefills that ran alone (0: unknown)."""
     pull_s_per_token: float = 0.0
     """Seconds per token of KV read over NIXL by this engine, from its transfers (0: none yet)."""
 
@@ -55,6 +55,7 @@ class Estimate:
     decode_compute_us_per_token: float
     pull_us_per_token: float
     prefill_residual_ms: float = 0.0
+    """What calibration against measured turns added to the formula's estimate (app/placement.py)."""
     decode_residual_ms: float = 0.0
 
     @property

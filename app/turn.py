@@ -32,7 +32,7 @@ from app.kv_index import KVIndex
 from app.ledger import Release, Settlement, TurnLedger, TurnState, settle
 from app.membership import LiveEngines
 from app.metrics import TurnMetrics
-from app.placement import PlacementPolicy, Residuals, place
+from app.placement import Calibration, PlacementPolicy, place
 from app.protocol import (
     Action,
     DecodeRequest,
@@ -110,7 +110,7 @@ class TurnLoop:
         self.placement = PlacementPolicy(config.placement.itl_weight,
                                          config.placement.kv_high_watermark, config.max_decode_prefill_tokens,
                                          config.placement.prior_pull_share)
-        self.residuals = Residuals()
+        self.calibration = Calibration()
         weights = CostWeights(config.cost_per_token, config.load_weight, config.transfer_cost_per_token)
         self.choosers = {p: PrefillChooser(p, self.policy, weights) for p in RoutingPolicy}
         self.journal = TurnJournal(config.block_size, metrics)
@@ -176,7 +176,7 @@ class TurnLoop:
         on_prefill = result.handoff is not None
         prefill_ms = round((time.perf_counter() - planned) * 1e3, 2)
         if decision.placement is not None and decision.reason not in FALLBACK_REASONS:
-            self.residuals.observe(decision.placement, decision.action == Action.PREFILL_ON_DECODE, prefill_ms)
+            self.calibration.observe(decision.placement, decision.action == Action.PREFILL_ON_DECODE, prefill_ms)
         measured = {"plan_ms": round((planned - started) * 1e3, 2), "prefill_ms": prefill_ms,
                     "eviction_horizon_s": self.journal.observe_load(result, time.time()) if on_prefill else None,
                     "first_token_from": "prefill" if (on_prefill and result.first_chunk)
@@ -323,7 +323,7 @@ class TurnLoop:
                             tokens_local=0, tokens_pullable=0, threshold=self.placement.max_decode_prefill_tokens,
                             decode_replica_id=r) for r in self.engines.live(Role.DECODE)]
         return place(len(turn.prompt_token_ids), on_prefill, candidates, self.engines.load,
-                     self.journal.queued_tokens, self.residuals, self.placement)
+                     self.journal.queued_tokens, self.calibration, self.placement)
 
     def _on_decode(self, turn: Turn, lookup: PrefixLookup, policy: PullPolicy,
                    decode_live: list[str]) -> RoutingDecision | None:

@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from app.placement import PlacementPolicy, Residuals, decode_allowed, estimate
+from app.placement import Calibration, PlacementPolicy, decode_allowed, estimate
 from app.protocol import (
     Action,
     LoadReport,
@@ -55,14 +55,39 @@ def test_hard_limits_keep_a_prompt_off_decode():
     assert not decode_allowed(100, LoadReport(), POLICY)  # not measured yet
 
 
-def test_residuals_learn_what_the_estimates_miss():
-    residuals = Residuals(alpha=0.5)
+def test_calibration_learns_an_offset_the_estimates_miss():
+    calibration = Calibration(alpha=0.5)
     raw = estimate(1024, 0, 1024, IDLE, IDLE, 0, 0, POLICY)
     for _ in range(20):
-        residuals.observe(residuals.corrected(raw), on_decode=False, measured_ms=raw.on_prefill_ms + 12.0)
-    corrected = residuals.corrected(raw)
+        calibration.observe(calibration.corrected(raw), on_decode=False, measured_ms=raw.on_prefill_ms + 12.0)
+    corrected = calibration.corrected(raw)
     assert abs(corrected.on_prefill_ms - raw.on_prefill_ms - 12.0) < 0.01
+    assert corrected.prefill_residual_ms == round(corrected.on_prefill_ms - raw.on_prefill_ms, 3)
     assert corrected.on_decode_ms == raw.on_decode_ms
+
+
+def test_calibration_scales_with_the_size_so_first_turns_errors_do_not_land_on_appends():
+    """Under load long first turns came in at half their estimate and short appends 40 ms over
+    theirs: an offset alone would make every append's estimate negative."""
+    calibration = Calibration(alpha=0.1)
+    first, append = (estimate(n, 0, n, IDLE, IDLE, queued, 0, POLICY) for n, queued in ((1024, 60_000), (128, 0)))
+    for _ in range(40):
+        for raw in (first, append):
+            calibration.observe(calibration.corrected(raw), on_decode=False,
+                                measured_ms=0.5 * raw.on_prefill_ms + 40.0)
+    for raw in (first, append):
+        assert abs(calibration.corrected(raw).on_prefill_ms - (0.5 * raw.on_prefill_ms + 40.0)) < 1.0
+
+
+def test_calibration_keeps_its_slope_in_range_and_its_estimates_non_negative():
+    calibration = Calibration(alpha=0.5)
+    small, large = (estimate(n, 0, n, IDLE, IDLE, 0, 0, POLICY) for n in (64, 4096))
+    for _ in range(20):  # the larger estimate measured faster: a negative slope, clamped to the range's floor
+        calibration.observe(calibration.corrected(small), on_decode=True, measured_ms=200.0)
+        calibration.observe(calibration.corrected(large), on_decode=True, measured_ms=1.0)
+    fitted = calibration.corrected(large).on_decode_ms - calibration.corrected(small).on_decode_ms
+    assert abs(fitted - 0.25 * (large.on_decode_ms - small.on_decode_ms)) < 0.01
+    assert calibration.corrected(estimate(4096 * 8, 0, 4096 * 8, IDLE, IDLE, 0, 0, POLICY)).on_decode_ms >= 0
 
 
 def _members(prefill: LoadReport, decode: LoadReport) -> Membership:
@@ -118,9 +143,10 @@ def test_engines_measure_their_costs_from_vllm_s_own_stats():
     from app.engine import LoadTracker
 
     tracker = LoadTracker(kv_bytes_per_token=1024)
-    tracker.observe_prefill(0.5, 8)  # too short to measure
-    tracker.observe_prefill(0.02, 1000)
-    tracker.observe_prefill(0.04, 1000)
+    tracker.observe_prefill(0.5, 8, 0)  # too short to measure
+    tracker.observe_prefill(0.02, 1000, 0)
+    tracker.observe_prefill(0.5, 1000, 3)  # beside three other requests: its time includes theirs
+    tracker.observe_prefill(0.04, 1000, 0)
     assert abs(tracker.report.compute_s_per_token - (20e-6 + 0.2 * 20e-6)) < 1e-12
     tracker.observe_transfers({"transfer_duration": [0.001, 0.001], "bytes_transferred": [1024 * 1000, 1024 * 1000]})
     assert abs(tracker.report.pull_s_per_token - 1e-6) < 1e-12
