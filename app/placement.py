@@ -117,7 +117,8 @@ class _LineFit:
 
     def add(self, x: float, y: float) -> None:
         keep = 1 - self.alpha
-        self.w, self.x, self.y = keep * self.w + self.alpha, keep * self.x + self.alpha * x, keep * self.y + self.alpha * y
+        self.w, self.x, self.y = (keep * self.w + self.alpha, keep * self.x + self.alpha * x,
+                                  keep * self.y + self.alpha * y)
         self.xx, self.xy = keep * self.xx + self.alpha * x * x, keep * self.xy + self.alpha * x * y
 
     def predict(self, x: float) -> float:
