@@ -74,16 +74,17 @@ def load_logger_factory(load: LoadTracker):
             pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            if scheduler_stats is None:
+                return
             finished = iteration_stats.finished_requests if iteration_stats else ()
-            if scheduler_stats is not None and len(finished) == 1:
+            if len(finished) == 1:
                 others = scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs
                 load.observe_prefill(finished[0].prefill_time,
                                      finished[0].num_prompt_tokens - finished[0].num_cached_tokens, others)
-            if scheduler_stats is not None:
-                load.observe_step(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
-                                  scheduler_stats.kv_cache_usage)
-                if scheduler_stats.kv_connector_stats:
-                    load.observe_transfers(scheduler_stats.kv_connector_stats)
+            load.observe_step(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
+                              scheduler_stats.kv_cache_usage)
+            if scheduler_stats.kv_connector_stats:
+                load.observe_transfers(scheduler_stats.kv_connector_stats)
 
         def log_engine_initialized(self) -> None:
             pass

@@ -221,6 +221,12 @@ def timestamp(text: str) -> float:
         return datetime.fromisoformat(text).timestamp()
 
 
+def mark(text: str) -> tuple[float, str]:
+    """TIME=LABEL: a moment (unix s or ISO) and its label."""
+    when, _, label = text.partition("=")
+    return timestamp(when), label
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prometheus", default="http://127.0.0.1:9090")
@@ -231,13 +237,12 @@ def main() -> int:
                         help="replaces $__rate_interval (Ray exports every 10 s: shorter windows zigzag)")
     parser.add_argument("--dashboard", type=Path, default=DASHBOARD)
     parser.add_argument("--subtitle", default="", help="a line beside the dashboard's title")
-    parser.add_argument("--mark", nargs="+", default=[], metavar="TIME=LABEL",
+    parser.add_argument("--mark", type=mark, nargs="+", default=[], metavar="TIME=LABEL",
                         help="a dashed line on every panel at TIME (unix s or ISO), labelled")
     parser.add_argument("--out", type=Path, default=Path("docs/img/dashboard.png"))
     args = parser.parse_args()
-    marks = [(timestamp(m.split("=", 1)[0]), m.split("=", 1)[1]) for m in args.mark]
     counts = render(args.prometheus, args.start, args.end, args.out, args.step, args.rate_interval, args.dashboard,
-                    args.subtitle, marks)
+                    args.subtitle, args.mark)
     for title, n in counts.items():
         print(f"{n:3d} series  {title}")
     print(f"wrote {args.out}")
