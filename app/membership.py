@@ -2,7 +2,8 @@
 
 kv_index.membership (engine heartbeats) ──update──▶ LiveEngines ◀──suspect── a failed call
 LiveEngines.live(role), .load(replica) ──▶ the turn loop's choices (placement, degraded modes)
-The last membership is kept while the index is unreachable: engines outlive an index restart.
+The last membership is kept while the index is unreachable, and merged into a restarted index's
+answers until every live engine has renewed with it: engines outlive an index restart.
 """
 
 import time
@@ -22,7 +23,9 @@ class LiveEngines:
         """Streams this router has open on each replica: its load, as this router sees it."""
 
     def update(self, members: Membership) -> None:
-        self.members, self.known = members, True
+        """A dead engine in the merged view still fails its first call and is routed around."""
+        self.members = members if members.settled or not self.known else members.union(self.members)
+        self.known = True
 
     def load(self, replica_id: str) -> LoadReport:
         """The replica's load and costs as of its last heartbeat the index passed on."""

@@ -84,9 +84,18 @@ class Membership:
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     loads: Mapping[str, LoadReport] = field(default_factory=dict)
+    settled: bool = True
+    """False from an index younger than one registration TTL: a live engine may not have renewed
+    with it yet, so a replica missing from this answer is not known to be gone."""
 
     def of(self, role: Role) -> tuple[str, ...]:
         return self.prefill if role == Role.PREFILL else self.decode
+
+    def union(self, older: "Membership") -> "Membership":
+        """This answer plus the replicas only `older` knew (with their last load)."""
+        return Membership(prefill=tuple(dict.fromkeys(self.prefill + older.prefill)),
+                          decode=tuple(dict.fromkeys(self.decode + older.decode)),
+                          loads={**older.loads, **self.loads}, settled=self.settled)
 
 
 @dataclass(frozen=True)

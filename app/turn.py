@@ -147,10 +147,7 @@ class TurnLoop:
             await asyncio.sleep(self.limits.heartbeat_interval_s)
 
     async def refresh_membership(self) -> None:
-        members = await self.ask_index("membership")
-        # A restarted index knows no engine until their next heartbeat: an empty answer after a full
-        # one is that, not every engine dying at once (dead engines still fail their calls).
-        if members is not None and (members.prefill or members.decode or not self.engines.known):
+        if (members := await self.ask_index("membership")) is not None:
             self.engines.update(members)
 
     def spawn(self, coro: Awaitable, what: str) -> None:

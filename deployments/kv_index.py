@@ -7,6 +7,7 @@ seconds, and lost records or retained sequences cost reuse, never correctness.
 
 import asyncio
 import logging
+import time
 
 from ray import serve
 from ray.serve import metrics
@@ -29,6 +30,7 @@ class KVIndexServer:
 
     def __init__(self, config: AppConfig) -> None:
         self.config = config
+        self.started = time.monotonic()
         self.index = KVIndex(block_size=config.block_size, hash_seed=config.prefix_hash_seed)
         self.conversations = ConversationStore(ttl_s=config.conversation_ttl_s, max_records=config.max_conversations)
         self._expiry_task = asyncio.get_event_loop().create_task(self._expire_forever())
@@ -65,8 +67,9 @@ class KVIndexServer:
 
     async def membership(self) -> Membership:
         prefill, decode = self.index.replica_ids(Role.PREFILL), self.index.replica_ids(Role.DECODE)
+        settled = time.monotonic() - self.started >= self.config.limits.registration_ttl_s
         return Membership(prefill=tuple(prefill), decode=tuple(decode),
-                          loads={r: self.index.replicas[r].load for r in (*prefill, *decode)})
+                          loads={r: self.index.replicas[r].load for r in (*prefill, *decode)}, settled=settled)
 
     async def lookup(self, hashes: list[bytes]) -> PrefixLookup:
         return self.index.lookup(hashes)

@@ -103,18 +103,33 @@ def health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=5).json()
 
 
+def serve_replicas(deployment: str) -> list[dict]:
+    """The controller's own view of a deployment's replicas (actor_name, state): unlike the named
+    actors, it still lists a killed replica until the controller has noticed and replaced it."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    details = ray.get(controller.get_serve_instance_details.remote(), timeout=30)
+    return details["applications"][APP_NAME]["deployments"][deployment]["replicas"]
+
+
 def wait_whole(url: str, gone: tuple[str, ...] = (), timeout_s: float = 300.0) -> float:
-    """Wait until the replicas named in `gone` are replaced, every deployment is healthy and the
-    router sees one live engine per replica of each group."""
+    """Wait until the controller has replaced the replicas named in `gone`, every deployment is
+    healthy with only running replicas, each engine group's engine answers alive and the router
+    sees one live engine per replica of each group."""
     from ray import serve
 
     def whole() -> bool:
         app = serve.status().applications[APP_NAME]
         if any(d.status != "HEALTHY" for d in app.deployments.values()):
             return False
-        if any(name in replica_names(name.split("#")[1]) for name in gone):
+        replicas = {name: serve_replicas(name) for name in app.deployments}
+        if any(r["state"] != "RUNNING" or r["actor_name"] in gone for rs in replicas.values() for r in rs):
+            return False
+        if not all(engine_status(role).alive for role in ("prefill", "decode")):
             return False
         live = health(url).get("live_engines", {})
-        return all(live.get(role, 0) == len(replica_names(role)) for role in ("prefill", "decode"))
+        return all(live.get(role, 0) == len(replicas[role]) for role in ("prefill", "decode"))
 
     return wait_until(whole, timeout_s, poll_s=1.0)

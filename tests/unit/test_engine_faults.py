@@ -80,6 +80,19 @@ def test_a_suspected_replica_is_routed_around_until_its_time_is_up():
     assert engines.pick(Role.DECODE, preferred="gone") == "d0"
 
 
+def test_a_restarted_index_adds_to_the_known_engines_until_every_engine_has_renewed():
+    """Right after an index restart only the engines that already heartbeated are in its answer:
+    the others stay live until the index has been up one registration TTL; then its word holds."""
+    engines = LiveEngines(suspect_s=10.0)
+    engines.update(Membership(("p0",), ("d0",)))
+    engines.update(Membership((), ("d0",), settled=False))
+    assert engines.live(Role.PREFILL) == ["p0"] and engines.live(Role.DECODE) == ["d0"]
+    engines.update(Membership((), (), settled=False))
+    assert engines.live(Role.PREFILL) == ["p0"]
+    engines.update(Membership((), ("d0",)))
+    assert engines.live(Role.PREFILL) == [] and engines.live(Role.DECODE) == ["d0"]
+
+
 def test_a_stage_that_does_not_answer_in_time_is_a_timeout_not_a_hang():
     from app.config import Limits
     from app.reply import StageTimeout
