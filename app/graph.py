@@ -1,9 +1,9 @@
 """The Serve application: `serve run app:graph [key=value ...]`.
 
-    HTTP ──▶ Router ──▶ PrefillServer × N ──NIXL──▶ DecodeServer × M
-               │  ▲             ▲─────────NIXL (reverse pull)──────┘
-               ▼  │
-             KVIndexServer  ◀── heartbeats of every engine replica
+    HTTP ──▶ Frontend ──▶ Router ──▶ PrefillServer × N ──NIXL──▶ DecodeServer × M
+                            │  ▲             ▲─────────NIXL (reverse pull)──────┘
+                            ▼  │
+                          KVIndexServer  ◀── heartbeats of every engine replica
 Building the graph starts nothing and builds no model; replicas do that when they start.
 Every concurrency cap, queue bound and health-check period comes from `AppConfig.limits`.
 """
@@ -38,6 +38,7 @@ def _engine_options(config: AppConfig, group: EngineGroupConfig) -> dict[str, An
 def build_graph(config: AppConfig) -> "Application":
     from app.autoscaling import decode_replica_options, prefill_replica_options, router_replica_options
     from deployments.decode import DecodeServer
+    from deployments.frontend import Frontend
     from deployments.kv_index import KVIndexServer
     from deployments.prefill import PrefillServer
     from deployments.router import Router
@@ -50,10 +51,13 @@ def build_graph(config: AppConfig) -> "Application":
     # Decode sends its releases through prefill (an engine cannot notify itself over NIXL).
     decode = DecodeServer.options(name="decode", **decode_replica_options(config),
                                   **_engine_options(config, config.decode)).bind(config, index, prefill)
-    return Router.options(name="router", **router_replica_options(config),
-                          max_ongoing_requests=limits.router_max_ongoing_requests,
-                          max_queued_requests=limits.router_max_queued_requests,
-                          backpressure_config=_backpressure(limits)).bind(config, index, prefill, decode)
+    # A stream holds a slot in the frontend and in the router until [DONE]: both get the router's
+    # limits and replica count (the frontend scales by the same rule).
+    router_options = {**router_replica_options(config), "max_ongoing_requests": limits.router_max_ongoing_requests,
+                      "max_queued_requests": limits.router_max_queued_requests}
+    router = Router.options(name="router", **router_options).bind(config, index, prefill, decode)
+    return Frontend.options(name="frontend", **router_options,
+                            backpressure_config=_backpressure(limits)).bind(config, router)
 
 
 def graph(args: dict[str, Any] | None = None) -> "Application":

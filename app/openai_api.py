@@ -17,6 +17,8 @@ from app.conversations import RenderMode
 from app.protocol import SamplingSettings
 from app.routing import RoutingPolicy
 
+DEFAULT_MAX_TOKENS = 256
+"""max_tokens of a request that names none."""
 ROLES = ("system", "user", "assistant", "developer", "tool")
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                "response_format", "chat_template", "best_of", "echo", "suffix", "presence_penalty",

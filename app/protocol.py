@@ -1,5 +1,6 @@
 """Every message that crosses a deployment boundary, defined once.
 
+frontend ──ClientRequest(validated body, credentials, Resume?)──▶ router ──ReplyStart, ReplyChunk…──▶ frontend
 router ──PrefillRequest──▶ prefill ──PrefillResult(KVHandoff, first ReplyChunk)──▶ router
 router ──DecodeRequest(KVHandoff)──▶ decode ──ReplyChunk…, last one with RetainedBlocks──▶ router
 router ──DecodeRequest(no handoff: a short append)──▶ decode ──ReplyChunk…──▶ router
@@ -11,6 +12,7 @@ No live decode replica: router ──DecodeRequest(no handoff)──▶ prefill,
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 class Role(str, enum.Enum):
@@ -170,6 +172,38 @@ class ReplyChunk:
     """Set on the final chunk only."""
     num_cached_tokens: int | None = None
     """Prompt tokens the engine found in its prefix cache; set when decode computed the prompt."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A reply whose router replica died mid-stream, as the frontend saw it: the next router
+    replica computes the rest from the prompt plus the tokens already sent, and records it whole."""
+
+    prompt_token_ids: tuple[int, ...]
+    sent_token_ids: tuple[int, ...]
+    sent_text: str
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    """One HTTP request as the frontend validated it; the router authenticates and renders it."""
+
+    body: Any
+    """app.openai_api.ChatCompletionRequest or CompletionRequest (pydantic, validated)."""
+    authorization: str | None = None
+    session_id: str | None = None
+    resume: Resume | None = None
+
+
+@dataclass(frozen=True)
+class ReplyStart:
+    """The router's first item of a reply, once its prompt is computed: what the response needs
+    besides the tokens."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    cached_tokens: int
 
 
 @dataclass(frozen=True)

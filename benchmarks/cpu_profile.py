@@ -8,7 +8,8 @@ import os
 
 import psutil
 
-ROLES = (("ServeReplica:kvloop:router", "router"), ("ServeReplica:kvloop:prefill", "prefill replica"),
+ROLES = (("ServeReplica:kvloop:frontend", "frontend"), ("ServeReplica:kvloop:router", "router"),
+         ("ServeReplica:kvloop:prefill", "prefill replica"),
          ("ServeReplica:kvloop:decode", "decode replica"), ("ServeReplica:kvloop:KVIndexServer", "kv index"),
          ("ServeReplica:serve-llm", "serve-llm replicas"), ("vllm.entrypoints.openai.api_server", "vllm server"),
          ("haproxy", "haproxy"), ("ProxyActor", "serve proxy"), ("HAProxyManager", "serve proxy"),

@@ -130,7 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--window-s", type=float, default=20.0)
-    parser.add_argument("--faults", default=",".join((*faults.FAULTS, "kill_router_replica")))
+    parser.add_argument("--faults", default=",".join((*faults.FAULTS, "kill_router_replica", "kill_frontend_replica")))
     args = parser.parse_args()
     config = replace(load_config({}), router_replicas=2)
     url = start_local(config)

@@ -1,4 +1,4 @@
-"""The router's outermost ASGI layer: body-size cap (413) and the OpenAI error shape for any failure
+"""The frontend's outermost ASGI layer: body-size cap (413) and the OpenAI error shape for any failure
 that escapes the handlers (never Starlette's plain-text 500).
 
 HTTP ──▶ HttpGuard ──▶ FastAPI (validation, handlers) ──▶ ...

@@ -19,7 +19,8 @@ from app.protocol import DecodeRequest, EngineStatus, SamplingSettings
 SERVE_NAMESPACE = "serve"
 FAULTS = ("kill_decode_replica", "sigkill_decode_engine", "sigkill_prefill_engine", "kill_index")
 """The faults between turns that `inject` knows, by name."""
-DEPLOYMENTS = {"decode": "decode", "prefill": "prefill", "index": "KVIndexServer", "router": "router"}
+DEPLOYMENTS = {"decode": "decode", "prefill": "prefill", "index": "KVIndexServer", "router": "router",
+               "frontend": "frontend"}
 
 
 def replica_names(deployment: str) -> list[str]:

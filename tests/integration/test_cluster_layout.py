@@ -62,7 +62,7 @@ def test_each_engine_lands_on_the_node_type_its_bundle_names(layout):
         (resource,) = layout["bundle_resources"][group]  # serve.yaml's bundle_resources, unchanged
         placed = _node_of(layout, group)
         assert placed and all(resource in nodes[node]["resources"] for node in placed), (group, placed, nodes)
-    assert _node_of(layout, "router") and _node_of(layout, "KVIndexServer"), "the router and index run too"
+    assert all(_node_of(layout, d) for d in ("frontend", "router", "KVIndexServer")), "the CPU-only parts run too"
 
 
 def test_later_turns_pull_the_history_from_the_decode_node(layout):

@@ -101,20 +101,29 @@ def two_routers_small_decode_pool(app_config, base_url):
     return config
 
 
-def test_a_killed_router_replica_loses_no_conversation(two_routers_small_decode_pool, base_url, reference):
-    """Two router replicas share conversation records through the index: the turn after one of
-    them dies keeps its append-only rendering and its reuse. The requests in flight on the dead
-    replica die with its connections; the official client retries a failed connection (its default,
-    two retries), as users run it."""
-    client = make_client(base_url).with_options(max_retries=2)
+def test_a_router_replica_killed_mid_reply_loses_no_reply_and_no_conversation(two_routers_small_decode_pool,
+                                                                               base_url, reference):
+    """Four long replies stream through two router replicas (two each: Serve balances them); one
+    replica is killed while they stream. The frontend moves its replies to the other replica from
+    the prompt plus the tokens already sent: every reply arrives whole and equals the plain
+    engine's. One of them is a conversation's second turn: its third turn, after the kill, stays
+    append-only and reuses the history (records are shared through the index)."""
+    client, long_reply = make_client(base_url), 300
     messages = _messages("router")
     turns = [chat_turn(client, messages, MAX_TOKENS)]
-    hit = faults.kill_replica("router")
+    messages = _next(messages, turns[0], "Next.")
+    others = [_messages(f"router stream {i}") for i in range(3)]
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(chat_turn, client, m, long_reply) for m in (messages, *others)]
+        faults.wait_until(lambda: faults.engine_status("decode").num_running_reqs >= 4, 60.0, poll_s=0.05)
+        hit = faults.kill_replica("router")
+        replies = [s.result() for s in streams]
     try:
-        for user in ("Next.", "Once more."):
-            messages = _next(messages, turns[-1], user)
-            turns.append(chat_turn(client, messages, MAX_TOKENS))
-        assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
+        assert all(len(r.output_ids) == long_reply for r in replies)
+        assert [r.output_ids for r in replies] == reference_ids(reference, replies, long_reply)
+        turns.append(replies[0])
+        turns.append(chat_turn(client, _next(messages, replies[0], "Once more."), MAX_TOKENS))
+        assert turns[2].output_ids == reference_ids(reference, turns[2:], MAX_TOKENS)[0]
         for k, (previous, current) in enumerate(zip(turns, turns[1:]), start=2):
             sequence = previous.prompt_ids + previous.output_ids
             shared = common_prefix_len(current.prompt_ids, sequence)

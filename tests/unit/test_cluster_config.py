@@ -32,7 +32,7 @@ def test_serve_yaml_builds_the_gpu_graph():
     app_schema = schema.applications[0]
     app = call_user_app_builder_with_args_if_necessary(import_attr(app_schema.import_path), app_schema.args)
     deployments = {d.name: d for d in _deployments(app)}
-    assert set(deployments) == {"router", "prefill", "decode", "KVIndexServer"}
+    assert set(deployments) == {"frontend", "router", "prefill", "decode", "KVIndexServer"}
     prefill = deployments["prefill"]._deployment_config
     assert deployments["prefill"]._replica_config.placement_group_bundles == [
         {"CPU": 16.0, "GPU": 8.0, "prefill_node": 1}]

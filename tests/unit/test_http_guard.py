@@ -1,4 +1,4 @@
-"""The router's outer ASGI layer: oversized bodies get 413 and escaped errors the OpenAI shape."""
+"""The frontend's outer ASGI layer: oversized bodies get 413 and escaped errors the OpenAI shape."""
 
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient

@@ -1,0 +1,97 @@
+"""The frontend's side of one reply: the router's stream, moved to another router replica when its
+replica dies, as the turn loop moves a reply whose engine dies.
+
+    frontend ──ClientRequest──▶ router replica ──ReplyStart, ReplyChunk…──▶ Relay ──▶ SSE / JSON
+    the replica died mid-reply ──ClientRequest(resume=Resume(prompt, tokens sent))──▶ another replica
+Greedy replies stay token-exact across the move; the client sees one uninterrupted reply.
+"""
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from app.protocol import ClientRequest, ReplyChunk, ReplyStart, Resume
+
+logger = logging.getLogger("ray.serve")
+
+
+class NoRouterAlive(RuntimeError):
+    """Every router replica tried died under the request: the frontend answers 503."""
+
+
+class Relay:
+    def __init__(self, router: Any, request: ClientRequest, max_tokens: int, attempts: int,
+                 movable: bool = True, on_move: Callable[[str], None] = lambda stage: None) -> None:
+        """`router`: a streaming handle to the router; `movable`: False for a reply whose state
+        cannot move (a grammar's): it fails with its replica; `on_move(stage)`: counts each move."""
+        self.router, self.request, self.max_tokens = router, request, max_tokens
+        self.attempts, self.movable, self.on_move = attempts, movable, on_move
+        self.start: ReplyStart | None = None
+        self.sent: list[int] = []
+        self.text: list[str] = []
+        self._stream: Any = None
+
+    async def begin(self) -> ReplyStart:
+        """The reply's start; a router replica that dies before it is simply retried. The router's
+        own errors (bad request, no engine, timeout) are raised as themselves."""
+        for _ in range(self.attempts):
+            try:
+                self.start = await self._open(self.request)
+                return self.start
+            except RayActorError as exc:
+                self._moved(exc, "start")
+        raise NoRouterAlive("no router replica could take the request; retry shortly")
+
+    async def chunks(self) -> AsyncIterator[ReplyChunk]:
+        moves, finished = 0, False
+        while True:
+            try:
+                if self._stream is None:
+                    await self._open(replace(self.request, resume=self._resume()))
+                while True:
+                    chunk = await self._next()
+                    self.sent.extend(chunk.token_ids)
+                    self.text.append(chunk.text)
+                    finished = chunk.finish_reason is not None
+                    yield chunk
+            except StopAsyncIteration:
+                return
+            except RayActorError as exc:
+                if finished:  # it died recording a finished reply: the client has it all
+                    return
+                moves += 1
+                if not self.movable or moves >= self.attempts:
+                    raise NoRouterAlive("the reply's router replica died and it could not move") from exc
+                self._moved(exc, "reply")
+                self.close()
+                if len(self.sent) >= self.max_tokens:  # it died after the last token, before saying so
+                    yield ReplyChunk((), "", "length")
+                    return
+
+    def _resume(self) -> Resume:
+        return Resume(self.start.prompt_token_ids, tuple(self.sent), "".join(self.text), self.start.cached_tokens)
+
+    def close(self) -> None:
+        """Cancelling an unfinished stream ends the router's turn, which aborts its engine requests."""
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+
+    async def _open(self, request: ClientRequest) -> ReplyStart:
+        self.close()
+        self._stream = self.router.generate.remote(request)
+        return await self._next()
+
+    async def _next(self) -> Any:
+        try:
+            return await self._stream.__anext__()
+        except RayTaskError as exc:  # the router raised it: the frontend answers its cause
+            raise (exc.cause if isinstance(exc.cause, Exception) else exc) from None
+
+    def _moved(self, exc: BaseException, stage: str) -> None:
+        self.on_move(stage)
+        logger.warning("router replica died (stage %s, %d tokens sent): moving the reply: %s", stage,
+                       len(self.sent), f"{type(exc).__name__}: {exc}"[:300])

@@ -1,0 +1,171 @@
+"""The frontend: the OpenAI-compatible HTTP ingress, thin on purpose.
+
+client ──HTTP──▶ here: validate ──ClientRequest──▶ router ──ReplyStart, ReplyChunk…──▶ here ──▶ SSE/JSON
+It holds no conversation state, so nothing is lost with it but its open connections; a router
+replica that dies mid-reply is replaced under the reply (app/relay.py). Every failure answers in
+the OpenAI error shape: 400/401/403/404/413 for the client's mistakes, 503 + Retry-After while no
+engine or router can serve, 504 when a stage times out, 500 otherwise (in-band once a stream has
+started).
+"""
+
+import logging
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve import metrics
+from ray.serve.exceptions import BackPressureError
+
+from app.chat import BadRequest
+from app.config import AppConfig
+from app.openai_api import (
+    DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    ResponseShape,
+    error_body,
+    sse,
+    usage,
+)
+from app.protocol import ClientRequest
+from app.relay import NoRouterAlive, Relay
+from app.reply import NoEngineAlive, StageTimeout
+from app.routing import NoPrefillReplica
+from app.tenants import Forbidden, Unauthorized, require_admin
+from deployments.http_guard import HttpGuard, error_response
+
+logger = logging.getLogger("ray.serve")
+ROUTER_ATTEMPTS = 3
+"""Router replicas one reply may use: the first, then up to two more if one dies under it."""
+api = FastAPI(title="kv-loop")
+api.add_middleware(HttpGuard)
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+    return error_response(f"invalid request: {problems}", 400)
+
+
+@api.exception_handler(BadRequest)
+async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+    return error_response(str(exc), 400)
+
+
+@api.exception_handler(Unauthorized)
+async def _unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
+    return error_response(str(exc), 401)
+
+
+@api.exception_handler(Forbidden)
+async def _forbidden(_: Request, exc: Forbidden) -> JSONResponse:
+    return error_response(str(exc), 403)
+
+
+@api.exception_handler(NoPrefillReplica)
+@api.exception_handler(NoEngineAlive)
+@api.exception_handler(NoRouterAlive)
+@api.exception_handler(BackPressureError)
+async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
+    message = "the server is at its request limit; retry shortly" if isinstance(exc, BackPressureError) else str(exc)
+    return error_response(message, 503, retry_after_s=request.app.state.retry_after_s)
+
+
+@api.exception_handler(StageTimeout)
+async def _timed_out(_: Request, exc: StageTimeout) -> JSONResponse:
+    return error_response(str(exc), 504)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class Frontend:
+    def __init__(self, config: AppConfig, router) -> None:
+        self.config, self.limits = config, config.limits
+        self.router = router.options(_by_reference=False)
+        self.streams = router.options(stream=True, _by_reference=False)
+        api.state.max_request_bytes, api.state.retry_after_s = self.limits.max_request_bytes, self.limits.retry_after_s
+        self.moves = metrics.Counter("kv_loop_router_moves", "Replies whose router replica died under them, moved "
+                                     "to another replica (start: before the reply began).", tag_keys=("stage",))
+
+    @api.get("/health")
+    async def health(self):
+        """ok: both engine groups live; degraded: one group serves whole turns; 503: none."""
+        body = await self.router.health.remote()
+        if body["status"] == "starting":
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.limits.retry_after_s)})
+        return body
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
+                                            "owned_by": "kv-loop", "max_model_len": self.config.max_model_len}]}
+
+    @api.get("/admin/decisions")
+    async def decisions(self, n: int = 100, authorization: str | None = Header(None)) -> list[dict[str, Any]]:
+        require_admin(authorization, self.config.api_keys, self.config.admin_api_keys)
+        return await self.router.decisions.remote(n)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, authorization: str | None = Header(None),
+                               x_session_id: str | None = Header(None)):
+        if len(body.messages) > self.limits.max_messages:
+            raise BadRequest(f"{len(body.messages)} messages exceed this server's limit of {self.limits.max_messages}")
+        return await self._serve(body, ClientRequest(body, authorization, x_session_id), chat=True)
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, authorization: str | None = Header(None)):
+        return await self._serve(body, ClientRequest(body, authorization), chat=False)
+
+    async def _serve(self, body: GenerationRequest, request: ClientRequest, chat: bool):
+        if body.model and body.model != self.config.model_name:
+            return error_response(f"the model {body.model!r} does not exist; this server serves "
+                                  f"{self.config.model_name!r}", 404)
+        relay = Relay(self.streams, request, body.sampling(DEFAULT_MAX_TOKENS).max_tokens, ROUTER_ATTEMPTS,
+                      movable=body.structured_outputs is None,  # a grammar's state cannot move
+                      on_move=lambda stage: self.moves.inc(1, {"stage": stage}))
+        try:
+            start = await relay.begin()
+        except BaseException:
+            relay.close()
+            raise
+        shape = ResponseShape(start.request_id, self.config.model_name, chat)
+        if body.stream:
+            return StreamingResponse(self._stream(relay, shape, body), media_type="text/event-stream")
+        try:
+            return await self._complete(relay, shape, body)
+        finally:
+            relay.close()
+
+    async def _complete(self, relay: Relay, shape: ResponseShape, body: GenerationRequest):
+        finish_reason = None
+        async with aclosing(relay.chunks()) as chunks:
+            async for chunk in chunks:
+                finish_reason = chunk.finish_reason or finish_reason
+        start = relay.start
+        use = usage(len(start.prompt_token_ids), len(relay.sent), start.cached_tokens)
+        ids, prompt = (relay.sent, list(start.prompt_token_ids)) if body.return_token_ids else (None, None)
+        return shape.full("".join(relay.text), finish_reason, use, ids, prompt)
+
+    async def _stream(self, relay: Relay, shape: ResponseShape, body: GenerationRequest):
+        start = relay.start
+        prompt = list(start.prompt_token_ids) if body.return_token_ids else None
+        try:
+            async with aclosing(relay.chunks()) as chunks:
+                async for chunk in chunks:
+                    ids = list(chunk.token_ids) if body.return_token_ids else None
+                    yield shape.chunk(chunk.text, chunk.finish_reason, ids, prompt)
+                    prompt = None
+        except StageTimeout as exc:  # headers are sent: report in-band, then end the stream
+            yield sse(error_body(str(exc), 504))
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("stream of %s failed", start.request_id)
+            yield sse(error_body(f"generation failed: {type(exc).__name__}", 500))
+        finally:
+            relay.close()
+        if body.include_usage:
+            yield shape.usage_chunk(usage(len(start.prompt_token_ids), len(relay.sent), start.cached_tokens))
+        yield sse("[DONE]")

@@ -1,0 +1,81 @@
+"""The frontend's relay moves a reply whose router replica dies to another replica, from the prompt
+plus the tokens already sent (fakes for the router: the real kill is in tests/integration/test_faults.py)."""
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from app.protocol import ClientRequest, ReplyChunk, ReplyStart
+from app.relay import NoRouterAlive, Relay
+
+START = ReplyStart("chatcmpl-1", (1, 2, 3), cached_tokens=2)
+
+
+class Stream:
+    def __init__(self, items: list) -> None:
+        self.items, self.cancelled = list(items), False
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Router:
+    """Each call streams the next script; the requests it got are kept."""
+
+    def __init__(self, *scripts: list) -> None:
+        self.scripts, self.requests, self.streams = list(scripts), [], []
+        self.generate = self
+
+    def remote(self, request: ClientRequest) -> Stream:
+        self.requests.append(request)
+        self.streams.append(Stream(self.scripts.pop(0)))
+        return self.streams[-1]
+
+
+def _relay(router: Router, max_tokens: int = 5, movable: bool = True) -> tuple[Relay, list[ReplyChunk]]:
+    relay = Relay(router, ClientRequest(body=None), max_tokens, attempts=3, movable=movable)
+
+    async def run():
+        await relay.begin()
+        return [chunk async for chunk in relay.chunks()]
+
+    return relay, asyncio.run(run())
+
+
+def test_a_reply_whose_router_dies_continues_on_another_from_what_was_sent():
+    router = Router([START, ReplyChunk((7,), " a"), ReplyChunk((8,), " b"), ActorDiedError()],
+                    [START, ReplyChunk((9, 10), " c d"), ReplyChunk((11,), " e", "length")])
+    relay, chunks = _relay(router)
+    assert [t for c in chunks for t in c.token_ids] == [7, 8, 9, 10, 11] and relay.text[-1] == " e"
+    resume = router.requests[1].resume
+    assert resume.prompt_token_ids == START.prompt_token_ids and resume.sent_token_ids == (7, 8)
+    assert resume.sent_text == " a b" and resume.cached_tokens == 2
+    assert router.streams[0].cancelled
+
+
+def test_a_router_that_dies_before_the_reply_starts_is_retried_from_scratch():
+    router = Router([ActorDiedError()], [START, ReplyChunk((7,), " a", "stop")])
+    _, chunks = _relay(router)
+    assert [c.token_ids for c in chunks] == [(7,)] and router.requests[1].resume is None
+
+
+def test_a_finished_reply_is_not_extended_when_its_router_dies_afterwards():
+    router = Router([START, ReplyChunk((7,), " a", "stop"), ActorDiedError()])
+    _, chunks = _relay(router)
+    assert [c.finish_reason for c in chunks] == ["stop"] and len(router.requests) == 1
+
+
+def test_a_grammar_reply_does_not_move_and_a_router_that_keeps_dying_gives_up():
+    with pytest.raises(NoRouterAlive):
+        _relay(Router([START, ReplyChunk((7,), " a"), ActorDiedError()]), movable=False)
+    with pytest.raises(NoRouterAlive):
+        _relay(Router(*[[START, ActorDiedError()]] * 3))
