@@ -141,9 +141,11 @@ class TurnLoop:
             return None
 
     async def follow_membership(self) -> None:
-        """Keep the live view of engines current (the index's heartbeats); runs for the router's life."""
+        """Keep the live view of engines current (the index's heartbeats) and hand the turn metrics
+        to Ray; runs for the router's life."""
         while True:
             await self.refresh_membership()
+            self.metrics.flush()
             await asyncio.sleep(self.limits.heartbeat_interval_s)
 
     async def refresh_membership(self) -> None:
