@@ -312,7 +312,8 @@ class AppConfig:
     max_conversations: int = 100_000
     """Records kept per router replica (LRU beyond that)."""
     router_replicas: int = 1
-    """HTTP ingress replicas; they share conversation records through the KV index."""
+    """Router replicas (they share conversation records through the KV index), and as many frontend
+    replicas: the HTTP ingress, which moves a reply to another router replica if its replica dies."""
     autoscaling: Autoscaling = Autoscaling()
     """Per group, off by default; on, a group starts at its replica count (`prefill.replicas`,
     `decode.replicas`, `router_replicas`) and Serve scales it within the group's bounds."""

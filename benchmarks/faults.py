@@ -6,7 +6,7 @@ part is killed, and every answered turn is checked against one plain vLLM engine
 Prints, per fault: turns answered, turns failed (503s with Retry-After counted apart), other
 errors, requests the official client retried (its default: 2 retries), wrong tokens, and the
 seconds from the fault to the next answered turn and until the app was whole again. Run with two
-router replicas, so a router can be killed too.
+router (and so two frontend) replicas, so either can be killed too.
 """
 
 import argparse
