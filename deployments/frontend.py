@@ -8,7 +8,9 @@ engine or router can serve, 504 when a stage times out, 500 otherwise (in-band o
 started).
 """
 
+import asyncio
 import logging
+import time
 from contextlib import aclosing
 from typing import Any
 
@@ -88,13 +90,29 @@ class Frontend:
         self.router = router.options(_by_reference=False)
         self.streams = router.options(stream=True, _by_reference=False)
         api.state.max_request_bytes, api.state.retry_after_s = self.limits.max_request_bytes, self.limits.retry_after_s
+        self.health_body: dict[str, Any] = {"status": "starting", "live_engines": {}}
+        self.health_at = 0.0
+        asyncio.get_event_loop().create_task(self._follow_health())
         self.moves = metrics.Counter("kv_loop_router_moves", "Replies whose router replica died under them, moved "
                                      "to another replica (start: before the reply began).", tag_keys=("stage",))
 
+    async def _follow_health(self) -> None:
+        """The router's view of live engines, asked once a heartbeat, so that /health answers from
+        here at once and never waits behind streams for a router slot."""
+        while True:
+            try:
+                body = await asyncio.wait_for(self.router.health.remote(), self.limits.bookkeeping_timeout_s)
+                self.health_body, self.health_at = body, time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - a router replica is being replaced: ask again
+                logger.warning("router health: %s", f"{type(exc).__name__}: {exc}"[:300])
+            await asyncio.sleep(self.limits.heartbeat_interval_s)
+
     @api.get("/health")
     async def health(self):
-        """ok: both engine groups live; degraded: one group serves whole turns; 503: none."""
-        body = await self.router.health.remote()
+        """ok: both engine groups live; degraded: one group serves whole turns; 503: none, or no
+        router answered for a registration TTL."""
+        fresh = time.monotonic() - self.health_at <= self.limits.registration_ttl_s
+        body = self.health_body if fresh else {**self.health_body, "status": "starting"}
         if body["status"] == "starting":
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.limits.retry_after_s)})
         return body
