@@ -74,10 +74,12 @@ class Router:
                              self.config.per_user_salt_tenants)
         rendered = await self._rendered(body, tenant, request.session_id) if isinstance(
             body, ChatCompletionRequest) else None
-        prompt_ids = rendered.prompt_ids if rendered else await self._in_render_thread(self.renderer.completion, body)
         if request.resume is not None:  # the reply continues what the client already has
             prompt_ids = list(request.resume.prompt_token_ids)
             rendered = replace(rendered, prompt_ids=prompt_ids) if rendered else None
+        else:
+            prompt_ids = rendered.prompt_ids if rendered else await self._in_render_thread(self.renderer.completion,
+                                                                                          body)
         turn = self._turn(body, prompt_ids, tenant, rendered, request.resume)
         ledger = TurnLedger(turn.request_id)
         try:

@@ -104,15 +104,15 @@ def health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=5).json()
 
 
-def serve_replicas(deployment: str) -> list[dict]:
-    """The controller's own view of a deployment's replicas (actor_name, state): unlike the named
-    actors, it still lists a killed replica until the controller has noticed and replaced it."""
+def serve_replicas() -> dict[str, list[dict]]:
+    """The controller's own view of each deployment's replicas (actor_name, state): unlike the
+    named actors, it still lists a killed replica until the controller has noticed and replaced it."""
     import ray
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME
 
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     details = ray.get(controller.get_serve_instance_details.remote(), timeout=30)
-    return details["applications"][APP_NAME]["deployments"][deployment]["replicas"]
+    return {name: d["replicas"] for name, d in details["applications"][APP_NAME]["deployments"].items()}
 
 
 def wait_whole(url: str, gone: tuple[str, ...] = (), timeout_s: float = 300.0) -> float:
@@ -125,7 +125,7 @@ def wait_whole(url: str, gone: tuple[str, ...] = (), timeout_s: float = 300.0) -
         app = serve.status().applications[APP_NAME]
         if any(d.status != "HEALTHY" for d in app.deployments.values()):
             return False
-        replicas = {name: serve_replicas(name) for name in app.deployments}
+        replicas = serve_replicas()
         if any(r["state"] != "RUNNING" or r["actor_name"] in gone for rs in replicas.values() for r in rs):
             return False
         if not all(engine_status(role).alive for role in ("prefill", "decode")):
