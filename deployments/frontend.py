@@ -100,17 +100,23 @@ class Frontend:
         """The router's view of live engines, asked once a heartbeat, so that /health answers from
         here at once and never waits behind streams for a router slot."""
         while True:
-            try:
-                body = await asyncio.wait_for(self.router.health.remote(), self.limits.bookkeeping_timeout_s)
-                self.health_body, self.health_at = body, time.monotonic()
-            except Exception as exc:  # noqa: BLE001 - a router replica is being replaced: ask again
-                logger.warning("router health: %s", f"{type(exc).__name__}: {exc}"[:300])
+            await self._refresh_health()
             await asyncio.sleep(self.limits.heartbeat_interval_s)
+
+    async def _refresh_health(self) -> None:
+        try:
+            body = await asyncio.wait_for(self.router.health.remote(), self.limits.bookkeeping_timeout_s)
+            self.health_body, self.health_at = body, time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - a router replica is being replaced: ask again
+            logger.warning("router health: %s", f"{type(exc).__name__}: {exc}"[:300])
 
     @api.get("/health")
     async def health(self):
         """ok: both engine groups live; degraded: one group serves whole turns; 503: none, or no
-        router answered for a registration TTL."""
+        router answered for a registration TTL. Only an answer short of ok is asked again at once
+        (engines may have just come up)."""
+        if self.health_body["status"] != "ok":
+            await self._refresh_health()
         fresh = time.monotonic() - self.health_at <= self.limits.registration_ttl_s
         body = self.health_body if fresh else {**self.health_body, "status": "starting"}
         if body["status"] == "starting":
