@@ -134,14 +134,23 @@ class Placement:
     """Until an engine has measured a transfer, a pulled token costs this share of a computed one."""
     probe_tokens: int = 256
     """Each engine times a prefill of this many tokens at start: its first measured compute cost."""
+    cost_refresh_s: float = 10.0
+    """An engine whose compute cost is older than this re-times it with one probe once it has been
+    idle for `cost_refresh_quiet_s` (real turns that ran alone count as measurements): a side that
+    gets no turns would otherwise keep a stale cost, and so keep getting none."""
+    cost_refresh_quiet_s: float = 1.0
+    """How long an engine must have had no request before it re-times its compute cost."""
 
     def __post_init__(self) -> None:
-        failed = [f"placement.{name} must be >= 0" for name in ("itl_weight", "prior_pull_share")
+        failed = [f"placement.{name} must be >= 0" for name in ("itl_weight", "prior_pull_share",
+                                                                 "cost_refresh_quiet_s")
                   if getattr(self, name) < 0]
         if not 0 < self.kv_high_watermark <= 1:
             failed.append("placement.kv_high_watermark must lie in (0, 1]")
         if self.probe_tokens < 32:
             failed.append("placement.probe_tokens must be >= 32 (shorter prefills are not measured)")
+        if self.cost_refresh_s <= 0:
+            failed.append("placement.cost_refresh_s must be > 0")
         if failed:
             raise ValueError("invalid config: " + "; ".join(failed))
 
@@ -226,6 +235,30 @@ class Autoscaling:
                   for problem in getattr(self, group).problems()]
         if failed:
             raise ValueError("invalid config: " + "; ".join(failed))
+
+
+@dataclass(frozen=True)
+class ReplicaRuntime:
+    """How Serve runs every replica's Python, set on each deployment (Ray's throughput-optimized
+    settings, without the cluster-wide flag). At 64 conversations here the four Serve roles took
+    15 % less CPU per reply with the first three on (docs/measurements.md)."""
+
+    user_code_on_main_loop: bool = True
+    """Run handlers on the replica's own event loop, not a second thread's (no thread hop per
+    request and per streamed chunk). Handlers then must not block: rendering and hashing run in
+    worker threads."""
+    handle_router_on_main_loop: bool = True
+    """Run each outgoing handle's request routing on that same loop, not a router thread's."""
+    log_to_stderr: bool = False
+    """Also write every replica log line to stderr (the log files and the dashboard have them)."""
+    access_log: bool = False
+    """Serve's access line per request and replica; the router's decision log covers turns."""
+
+    def env_vars(self) -> dict[str, str]:
+        flag = lambda on: "1" if on else "0"  # noqa: E731
+        return {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": flag(not self.user_code_on_main_loop),
+                "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": flag(not self.handle_router_on_main_loop),
+                "RAY_SERVE_LOG_TO_STDERR": flag(self.log_to_stderr)}
 
 
 @dataclass(frozen=True)
@@ -318,6 +351,7 @@ class AppConfig:
     """Per group, off by default; on, a group starts at its replica count (`prefill.replicas`,
     `decode.replicas`, `router_replicas`) and Serve scales it within the group's bounds."""
     limits: Limits = Limits()
+    replica_runtime: ReplicaRuntime = ReplicaRuntime()
     api_keys: Mapping[str, str] = field(default_factory=dict)
     """API key -> tenant. Empty: every request is tenant "default". Set: unknown keys get 401."""
     admin_api_keys: tuple[str, ...] = ()

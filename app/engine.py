@@ -12,6 +12,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,6 +30,7 @@ DEAD_ENGINE_POLL_S = 0.1
 MIN_MEASURED_TOKENS = 32
 """A prefill measures the engine's compute cost only when it computed at least this many tokens."""
 COST_SMOOTHING = 0.2
+PROBE_SMOOTHING = 0.5
 
 
 class LoadTracker:
@@ -38,6 +40,8 @@ class LoadTracker:
     def __init__(self, kv_bytes_per_token: int) -> None:
         self.report = LoadReport()
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.measured_at = 0.0
+        """When the compute cost was last measured (time.monotonic())."""
 
     def observe_step(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         self.report = replace(self.report, num_running_reqs=running, num_waiting_reqs=waiting,
@@ -51,6 +55,15 @@ class LoadTracker:
         if computed_tokens >= MIN_MEASURED_TOKENS and seconds > 0 and others_in_engine == 0:
             cost = _smoothed(self.report.compute_s_per_token, seconds / computed_tokens)
             self.report = replace(self.report, compute_s_per_token=cost)
+            self.measured_at = time.monotonic()
+
+    def observe_probe(self, seconds_per_token: float) -> None:
+        """A timed prefill the engine ran alone. The first is taken as is; later ones weigh half
+        (single probes of 256 tokens on an idle engine here ranged 64-146 us a token)."""
+        previous = self.report.compute_s_per_token
+        cost = seconds_per_token if previous == 0 else previous + PROBE_SMOOTHING * (seconds_per_token - previous)
+        self.report = replace(self.report, compute_s_per_token=cost)
+        self.measured_at = time.monotonic()
 
     def observe_transfers(self, stats: dict[str, Any]) -> None:
         """NIXL's transfer telemetry of this engine's reads (durations in s, sizes in bytes)."""
@@ -277,15 +290,28 @@ class Engine:
         cache = self.llm.vllm_config.cache_config
         self.pool_blocks = cache.num_gpu_blocks or 0
         self.pool_tokens = self.pool_blocks * cache.block_size
+        self.in_flight, self.quiet_since = 0, time.monotonic()
 
     @property
     def load(self) -> LoadReport:
         """The engine's load and measured costs as of its last step."""
         return self.tracker.report
 
-    def generate(self, request_id: str, prompt_token_ids: tuple[int, ...], cache_salt: str,
-                 settings: SamplingSettings, kv_transfer_params: dict[str, Any]) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt_token_ids: tuple[int, ...], cache_salt: str,
+                       settings: SamplingSettings, kv_transfer_params: dict[str, Any]) -> AsyncIterator[Any]:
         """The request's outputs (deltas); EngineDied within DEAD_ENGINE_POLL_S of the engine's death."""
+        self.in_flight += 1
+        try:
+            async with aclosing(self._outputs(request_id, prompt_token_ids, cache_salt, settings,
+                                              kv_transfer_params)) as outputs:
+                async for output in outputs:
+                    yield output
+        finally:
+            self.in_flight -= 1
+            self.quiet_since = time.monotonic()
+
+    def _outputs(self, request_id: str, prompt_token_ids: tuple[int, ...], cache_salt: str,
+                 settings: SamplingSettings, kv_transfer_params: dict[str, Any]) -> AsyncIterator[Any]:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -295,18 +321,37 @@ class Engine:
         outputs = self.llm.generate(prompt, params, request_id)
         return while_alive(outputs, lambda: self.llm.errored, DEAD_ENGINE_POLL_S)
 
-    async def probe_compute_cost(self, num_tokens: int) -> None:
-        """Time two prefills of `num_tokens` fresh tokens (the second: no first-call costs) and seed
-        the measured compute cost with it, so placement has a number before any real turn."""
+    async def probe_compute_cost(self, num_tokens: int, runs: int = 2) -> None:
+        """Time `runs` prefills of `num_tokens` fresh tokens (the last counts: the first pays
+        first-call costs) and take it as the measured compute cost, so placement has a number
+        before any real turn."""
+        self.tracker.observe_probe(await self._timed_prefills(num_tokens, runs) / num_tokens)
+
+    async def refresh_compute_cost(self, num_tokens: int, quiet_s: float, max_age_s: float) -> bool:
+        """Re-time the compute cost if no request has run for `quiet_s` and the last measurement is
+        older than `max_age_s`: a cost measured only from real turns goes stale on the side that
+        gets none (a decode cost timed while the other engine started kept every turn off decode).
+        A request that arrives during the probe voids it. True if the cost was re-measured."""
+        now = time.monotonic()
+        if self.in_flight or now - self.quiet_since < quiet_s or now - self.tracker.measured_at < max_age_s:
+            return False
+        seconds = await self._timed_prefills(num_tokens, 1)
+        if self.in_flight or self.quiet_since > now:
+            return False
+        self.tracker.observe_probe(seconds / num_tokens)
+        return True
+
+    async def _timed_prefills(self, num_tokens: int, runs: int) -> float:
+        """Seconds the last of `runs` one-token generations of `num_tokens` fresh tokens took."""
         settings = SamplingSettings(max_tokens=1, temperature=0.0)
-        for _ in range(2):
+        seconds = 0.0
+        for _ in range(runs):
             salt = uuid.uuid4().hex  # nothing cached, nothing shared with real requests
-            prompt = tuple(range(1, num_tokens + 1))
             started = time.perf_counter()
-            async for _output in self.generate(f"probe-{salt}", prompt, salt, settings, {}):
+            async for _output in self._outputs(f"probe-{salt}", tuple(range(1, num_tokens + 1)), salt, settings, {}):
                 pass
             seconds = time.perf_counter() - started
-        self.tracker.report = replace(self.tracker.report, compute_s_per_token=seconds / num_tokens)
+        return seconds
 
     async def release(self, handoff: KVHandoff) -> None:
         """Tell the owner of `handoff` it will not be read, so it frees the blocks now, not at TTL."""

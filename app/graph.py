@@ -22,12 +22,19 @@ def _backpressure(limits: Limits):
     return BackpressureConfig(status_code=503, retry_after_s=limits.retry_after_s)
 
 
+def _replica_options(config: AppConfig, **actor_options: Any) -> dict[str, Any]:
+    """How Serve runs the replica's Python (config.replica_runtime), with its actor options."""
+    runtime = config.replica_runtime
+    return {"ray_actor_options": {**actor_options, "runtime_env": {"env_vars": runtime.env_vars()}},
+            "logging_config": {"enable_access_log": runtime.access_log}}
+
+
 def _engine_options(config: AppConfig, group: EngineGroupConfig) -> dict[str, Any]:
     limits = config.limits
     bundle = {"CPU": group.cpus_per_replica, **({"GPU": group.gpus_per_replica} if group.gpus_per_replica else {}),
               **group.bundle_resources}
-    return {"ray_actor_options": {"num_cpus": group.cpus_per_replica, "num_gpus": group.gpus_per_replica,
-                                  "resources": dict(group.bundle_resources)},
+    return {**_replica_options(config, num_cpus=group.cpus_per_replica, num_gpus=group.gpus_per_replica,
+                               resources=dict(group.bundle_resources)),
             "placement_group_bundles": [bundle], "placement_group_strategy": "STRICT_PACK",
             "max_ongoing_requests": limits.engine_max_ongoing_requests,
             "max_queued_requests": limits.engine_max_queued_requests,
@@ -44,7 +51,8 @@ def build_graph(config: AppConfig) -> "Application":
     from deployments.router import Router
 
     limits = config.limits
-    index = KVIndexServer.options(max_ongoing_requests=limits.index_max_ongoing_requests).bind(config)
+    index = KVIndexServer.options(max_ongoing_requests=limits.index_max_ongoing_requests,
+                                  **_replica_options(config, num_cpus=0)).bind(config)
     # Replica counts: fixed, or autoscaled on each group's own signal (app/autoscaling.py).
     prefill = PrefillServer.options(name="prefill", **prefill_replica_options(config),
                                     **_engine_options(config, config.prefill)).bind(config, index)
@@ -54,7 +62,7 @@ def build_graph(config: AppConfig) -> "Application":
     # A stream holds a slot in the frontend and in the router until [DONE]: both get the router's
     # limits and replica count (the frontend scales by the same rule).
     router_options = {**router_replica_options(config), "max_ongoing_requests": limits.router_max_ongoing_requests,
-                      "max_queued_requests": limits.router_max_queued_requests}
+                      "max_queued_requests": limits.router_max_queued_requests, **_replica_options(config, num_cpus=0)}
     router = Router.options(name="router", **router_options).bind(config, index, prefill, decode)
     return Frontend.options(name="frontend", **router_options,
                             backpressure_config=_backpressure(limits)).bind(config, router)

@@ -54,6 +54,7 @@ class EngineReplica:
             self._events = loop.create_task(kv_events.forward(local, public))
         await index.register.remote(self.beat())
         self._heartbeat = loop.create_task(self._heartbeat_forever())
+        self._cost_refresh = loop.create_task(self._refresh_cost_forever())
 
     async def _heartbeat_forever(self) -> None:
         """Renew the registration while the engine lives; a dead engine falls out of the index within
@@ -66,6 +67,17 @@ class EngineReplica:
                 logger.warning("heartbeat to the KV index failed: %s", type(exc).__name__)
             await asyncio.sleep(limits.heartbeat_interval_s)
         logger.error("engine of replica %s is dead: heartbeats stopped, health checks fail", self.replica_id)
+
+    async def _refresh_cost_forever(self) -> None:
+        placement = self.config.placement
+        while not self.engine.llm.errored:
+            await asyncio.sleep(placement.cost_refresh_quiet_s)
+            try:
+                if await self.engine.refresh_compute_cost(placement.probe_tokens, placement.cost_refresh_quiet_s,
+                                                          placement.cost_refresh_s):
+                    logger.debug("compute cost re-timed: %.1f us/token", self.engine.load.compute_s_per_token * 1e6)
+            except Exception as exc:  # noqa: BLE001 - the engine died: health checks and heartbeats say so
+                logger.warning("compute cost probe failed: %s", type(exc).__name__)
 
     def beat(self) -> ReplicaInfo:
         """This replica with its engine's current load and costs."""

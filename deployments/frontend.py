@@ -82,7 +82,7 @@ async def _timed_out(_: Request, exc: StageTimeout) -> JSONResponse:
     return error_response(str(exc), 504)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.deployment
 @serve.ingress(api)
 class Frontend:
     def __init__(self, config: AppConfig, router) -> None:

@@ -23,7 +23,7 @@ logger = logging.getLogger("ray.serve")
 EXPIRE_EVERY_S = 1.0
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.deployment(num_replicas=1)
 class KVIndexServer:
     """Every method is async: they all run on the replica's event loop, one at a time, beside the
     KV-event feeds, so the index needs no lock (sync methods would run in a thread pool)."""

@@ -33,7 +33,7 @@ from app.turn import Turn, TurnLoop
 logger = logging.getLogger("ray.serve")
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.deployment
 class Router:
     def __init__(self, config: AppConfig, index, prefill, decode) -> None:
         if config.model == TINY_MODEL:

@@ -153,3 +153,33 @@ def test_engines_measure_their_costs_from_vllm_s_own_stats():
     tracker.observe_step(3, 1, 0.25)
     assert (tracker.report.num_running_reqs, tracker.report.kv_cache_usage) == (3, 0.25)
     assert tracker.report.compute_s_per_token > 0  # a step keeps the measured costs
+
+
+def test_an_idle_engine_re_times_a_stale_compute_cost_and_a_request_during_the_probe_voids_it():
+    import time
+
+    from app.engine import Engine, LoadTracker
+
+    engine = object.__new__(Engine)  # the refresh logic alone: no vLLM engine behind it
+    engine.tracker, engine.in_flight, engine.quiet_since = LoadTracker(1024), 0, time.monotonic() - 5
+    engine.tracker.observe_probe(160e-6)  # timed while the other engine started: four times too high
+    arrivals: list[int] = []
+
+    async def prefill(num_tokens: int, runs: int) -> float:
+        if arrivals:
+            engine.in_flight = arrivals.pop()
+        return num_tokens * 40e-6
+
+    engine._timed_prefills = prefill
+    refresh = lambda: asyncio.run(engine.refresh_compute_cost(256, quiet_s=1.0, max_age_s=10.0))  # noqa: E731
+    assert not refresh()  # measured just now
+    engine.tracker.measured_at -= 11
+    engine.in_flight = 1
+    assert not refresh()  # busy: real turns measure it
+    engine.in_flight, engine.quiet_since = 0, time.monotonic()
+    assert not refresh()  # not quiet for a second yet
+    engine.quiet_since -= 2
+    arrivals.append(1)
+    assert not refresh() and engine.tracker.report.compute_s_per_token == 160e-6  # a request joined the probe
+    engine.in_flight = 0
+    assert refresh() and abs(engine.tracker.report.compute_s_per_token - 100e-6) < 1e-12  # weighs half
