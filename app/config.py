@@ -68,6 +68,9 @@ class Limits:
     """Calls waiting for an engine replica slot before the router's call is refused (then retried elsewhere)."""
     index_max_ongoing_requests: int = 1024
     """Concurrent calls to the KV index actor: each is a short in-memory lookup or record."""
+    index_max_queued_requests: int = 2048
+    """Calls waiting for the KV index before new ones are refused; every caller goes on without the
+    answer (a recompute instead of a pull, a record the router still holds), as when it is slow."""
     retry_after_s: int = 2
     """Retry-After on 503s (overload, engines starting, no engine alive)."""
     bookkeeping_timeout_s: float = 2.0
@@ -90,10 +93,15 @@ class Limits:
     registration_ttl_s: float = 5.0
     """A registration not renewed for this long is dropped: the replica's engine is dead or gone."""
     health_check_period_s: float = 2.0
-    """Serve's health check of engine replicas (a dead engine also stops heartbeating at once, and the
+    """Serve's health check of every replica (a dead engine also stops heartbeating at once, and the
     router routes around it from its first failed call)."""
     health_check_timeout_s: float = 30.0
     """Serve's limit for one health check before the replica counts as unhealthy."""
+    drain_timeout_s: float = 60.0
+    """A replica being removed (scale-in, redeploy) waits this long for its open streams before it
+    stops (Serve's graceful_shutdown_timeout_s); a reply still running then moves (a router's to
+    another router replica, an engine's to another engine), so this bounds how long an old replica
+    holds its resources, not whether replies finish."""
     retained_trim_interval_s: float = 0.5
     """How often decode checks what it retains against its pool share and the requests waiting."""
     suspect_replica_s: float = 10.0
@@ -105,8 +113,9 @@ class Limits:
     def __post_init__(self) -> None:
         positive = {name: getattr(self, name) for name in (
             "router_max_ongoing_requests", "engine_max_ongoing_requests", "index_max_ongoing_requests",
+            "router_max_queued_requests", "engine_max_queued_requests", "index_max_queued_requests",
             "bookkeeping_timeout_s", "prefill_timeout_s", "first_chunk_timeout_s", "stream_idle_timeout_s",
-            "max_request_bytes", "max_messages", "heartbeat_interval_s", "health_check_period_s",
+            "max_request_bytes", "max_messages", "heartbeat_interval_s", "health_check_period_s", "drain_timeout_s",
             "retained_trim_interval_s")}
         failed = [f"limits.{name} must be > 0" for name, value in positive.items() if value <= 0]
         if self.registration_ttl_s < 2 * self.heartbeat_interval_s:

@@ -23,10 +23,14 @@ def _backpressure(limits: Limits):
 
 
 def _replica_options(config: AppConfig, **actor_options: Any) -> dict[str, Any]:
-    """How Serve runs the replica's Python (config.replica_runtime), with its actor options."""
-    runtime = config.replica_runtime
+    """What every deployment sets: how Serve runs its Python (config.replica_runtime), its health
+    checks and drain, with its actor options."""
+    runtime, limits = config.replica_runtime, config.limits
     return {"ray_actor_options": {**actor_options, "runtime_env": {"env_vars": runtime.env_vars()}},
-            "logging_config": {"enable_access_log": runtime.access_log}}
+            "logging_config": {"enable_access_log": runtime.access_log},
+            "health_check_period_s": limits.health_check_period_s,
+            "health_check_timeout_s": limits.health_check_timeout_s,
+            "graceful_shutdown_timeout_s": limits.drain_timeout_s}
 
 
 def _engine_options(config: AppConfig, group: EngineGroupConfig) -> dict[str, Any]:
@@ -37,9 +41,7 @@ def _engine_options(config: AppConfig, group: EngineGroupConfig) -> dict[str, An
                                resources=dict(group.bundle_resources)),
             "placement_group_bundles": [bundle], "placement_group_strategy": "STRICT_PACK",
             "max_ongoing_requests": limits.engine_max_ongoing_requests,
-            "max_queued_requests": limits.engine_max_queued_requests,
-            "health_check_period_s": limits.health_check_period_s,
-            "health_check_timeout_s": limits.health_check_timeout_s}
+            "max_queued_requests": limits.engine_max_queued_requests}
 
 
 def build_graph(config: AppConfig) -> "Application":
@@ -52,6 +54,7 @@ def build_graph(config: AppConfig) -> "Application":
 
     limits = config.limits
     index = KVIndexServer.options(max_ongoing_requests=limits.index_max_ongoing_requests,
+                                  max_queued_requests=limits.index_max_queued_requests,
                                   **_replica_options(config, num_cpus=0)).bind(config)
     # Replica counts: fixed, or autoscaled on each group's own signal (app/autoscaling.py).
     prefill = PrefillServer.options(name="prefill", **prefill_replica_options(config),

@@ -50,3 +50,23 @@ def _deployments(app):
             if hasattr(arg, "_bound_deployment"):
                 stack.append(arg._bound_deployment)
     return list({d.name: d for d in seen}.values())
+
+
+def test_every_deployment_takes_its_limits_and_runtime_from_the_config_not_serve_s_defaults():
+    from app.config import load_config
+    from app.graph import build_graph
+
+    config = load_config({"limits.drain_timeout_s": "45", "limits.health_check_period_s": "3"})
+    deployments = {d.name: d for d in _deployments(build_graph(config))}
+    limits = config.limits
+    for name, deployment in deployments.items():
+        options = deployment._deployment_config
+        assert options.max_ongoing_requests in (limits.router_max_ongoing_requests,
+                                                limits.engine_max_ongoing_requests,
+                                                limits.index_max_ongoing_requests), name
+        assert (options.graceful_shutdown_timeout_s, options.health_check_period_s,
+                options.health_check_timeout_s) == (45, 3, limits.health_check_timeout_s), name
+        assert options.logging_config["enable_access_log"] is False, name
+        env = deployment._replica_config.ray_actor_options["runtime_env"]["env_vars"]
+        assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0", name
+        assert options.max_queued_requests > 0, name
