@@ -1,10 +1,15 @@
-"""Prefill autoscaling on its own signal, queued prefill tokens: the real app with a prefill group
-that may grow from 1 to 2 replicas. Load (one-token turns with long fresh prompts: prefill work
-only) takes it to 2; idle takes it back to 1. Conversations run all along, and every later turn
-pulls its history from decode with every token equal to one plain vLLM engine's. Replaces the
-session's app for its run and restores it after."""
+"""The app under more load than it holds, on its own signals: the real app with a prefill group
+that may grow from 1 to 2 replicas and small router bounds.
+
+- Prefill autoscaling on queued prefill tokens. Load (one-token turns with long fresh prompts:
+  prefill work only) takes it to 2; idle takes it back to 1. Conversations run all along, and
+  every later turn pulls its history from decode with every token equal to one plain vLLM engine's.
+- Admission: past the router's queue bound a request gets 503 with Retry-After in the OpenAI error
+  shape, and every admitted one streams whole.
+Replaces the session's app for its run and restores it after."""
 
 import itertools
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +35,8 @@ LOAD_PROMPT = SYSTEM_PROMPT + " " + SYSTEM_PROMPT
 SCALING = PrefillScaling(enabled=True, min_replicas=1, max_replicas=2, target_queued_tokens=1000,
                          upscale_delay_s=2.0, downscale_delay_s=10.0, metrics_interval_s=0.5, look_back_period_s=3.0)
 """Short delays and window so the test takes minutes; the defaults are for production."""
+BOUNDS = {"router_max_ongoing_requests": 8, "router_max_queued_requests": 4}
+"""Above the autoscaling test's 4 streams and the frontend's own calls; the burst below is larger."""
 SCALE_OUT_TIMEOUT_S = 420
 """A second engine starts on the cores that serve the load: 118 s here in one run; on a loaded
 machine the first replica alone took 154 s and the second was not running after 180 s."""
@@ -120,7 +127,8 @@ def _load(client, run: Run, thread: int) -> None:
 @pytest.fixture(scope="module")
 def autoscaled_prefill(base_url, app_config):
     config = replace(app_config, prefill=replace(app_config.prefill, cpus_per_replica=0.5),
-                     decode=replace(app_config.decode, cpus_per_replica=0.5), autoscaling=Autoscaling(prefill=SCALING))
+                     decode=replace(app_config.decode, cpus_per_replica=0.5), autoscaling=Autoscaling(prefill=SCALING),
+                     limits=replace(app_config.limits, **BOUNDS))
     started = time.monotonic()
     replace_app(config)
     print(f"app with autoscaled prefill started in {time.monotonic() - started:.0f} s")
@@ -182,3 +190,33 @@ def _print_table(run: Run) -> None:
                   f"{s.queued_tokens:.0f} | {s.conversation_turns} |")
             next_at = s.at_s + 10
         previous = s
+
+
+def test_requests_past_the_queue_bound_get_503_with_retry_after_and_every_admitted_one_streams_whole(
+        autoscaled_prefill, base_url):
+    limits = autoscaled_prefill.limits
+    holds = limits.router_max_ongoing_requests + limits.router_max_queued_requests
+    burst = holds + 8  # within what the frontend admits (twice `holds`): every answer is its own
+    body = {"model": autoscaled_prefill.model_name, "max_tokens": 64, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    def send(i: int) -> tuple[int, dict[str, str], list[str]]:
+        messages = [{"role": "system", "content": f"[burst {i}] {SYSTEM_PROMPT}"}, {"role": "user", "content": "Go."}]
+        with httpx.Client(base_url=base_url, timeout=300, headers={"Authorization": "Bearer unused"}) as http:
+            with http.stream("POST", "/v1/chat/completions", json={**body, "messages": messages}) as response:
+                return response.status_code, dict(response.headers), list(response.iter_lines())
+
+    with ThreadPoolExecutor(burst) as pool:
+        answers = list(pool.map(send, range(burst)))
+    statuses = [status for status, _, _ in answers]
+    print(f"{burst} requests at once: {statuses.count(200)} streamed, {statuses.count(503)} got 503")
+    # Serve may refuse a little early under simultaneous arrivals (its queue count is read before
+    # earlier requests leave it), never late.
+    assert set(statuses) <= {200, 503} and statuses.count(503) >= burst - holds and 200 in statuses
+    for status, headers, lines in answers:
+        if status == 503:
+            assert headers["retry-after"] == str(limits.retry_after_s)
+            assert json.loads("".join(lines))["error"]["code"] == 503
+        else:
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            assert lines[-1] == "data: [DONE]" and events[-1]["usage"]["completion_tokens"] == 64

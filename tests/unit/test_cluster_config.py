@@ -59,11 +59,13 @@ def test_every_deployment_takes_its_limits_and_runtime_from_the_config_not_serve
     config = load_config({"limits.drain_timeout_s": "45", "limits.health_check_period_s": "3"})
     deployments = {d.name: d for d in _deployments(build_graph(config))}
     limits = config.limits
+    holds = limits.router_max_ongoing_requests + limits.router_max_queued_requests
+    ongoing = {"frontend": 2 * holds, "router": limits.router_max_ongoing_requests,
+               "prefill": limits.engine_max_ongoing_requests, "decode": limits.engine_max_ongoing_requests,
+               "KVIndexServer": limits.index_max_ongoing_requests}
     for name, deployment in deployments.items():
         options = deployment._deployment_config
-        assert options.max_ongoing_requests in (limits.router_max_ongoing_requests,
-                                                limits.engine_max_ongoing_requests,
-                                                limits.index_max_ongoing_requests), name
+        assert options.max_ongoing_requests == ongoing[name], name
         assert (options.graceful_shutdown_timeout_s, options.health_check_period_s,
                 options.health_check_timeout_s) == (45, 3, limits.health_check_timeout_s), name
         assert options.logging_config["enable_access_log"] is False, name
