@@ -61,8 +61,8 @@ class Limits:
     the number of conversations in flight per router replica (Serve's default of 5 queued 32
     conversations behind five slots: later-turn TTFT 5-10x)."""
     router_max_queued_requests: int = 512
-    """Requests each frontend replica queues for a router slot before new ones get 503 with
-    Retry-After (the OpenAI error shape)."""
+    """Requests one frontend replica holds waiting for a router slot; past ongoing plus queued it
+    answers new ones 503 with Retry-After (the OpenAI error shape)."""
     engine_max_ongoing_requests: int = 128
     """Calls one engine replica takes at once (prefill calls, decode streams); vLLM queues inside."""
     engine_max_queued_requests: int = 512

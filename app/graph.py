@@ -62,15 +62,15 @@ def build_graph(config: AppConfig) -> "Application":
     # Decode sends its releases through prefill (an engine cannot notify itself over NIXL).
     decode = DecodeServer.options(name="decode", **decode_replica_options(config),
                                   **_engine_options(config, config.decode)).bind(config, index, prefill)
-    # A stream holds a slot in the frontend and in the router until [DONE]. The router's bounds are
-    # the service's: past them the frontend's call raises BackPressureError, which it answers 503 +
-    # Retry-After in the OpenAI error shape. The frontend admits twice what the router holds, so
-    # that such requests reach it (Serve's own rejection at the frontend is plain text); it scales
-    # by the router's rule.
+    # A stream holds a slot in the frontend and in the router until [DONE]. Each frontend replica
+    # admits what one router replica holds (ongoing + queued) and answers the rest 503 + Retry-After
+    # in the OpenAI error shape. Serve's queue bounds behind it are backstops that never bind first
+    # (a frontend's handle queues at most what it admitted; its refusal would be plain text, and
+    # under a burst it is approximate). The frontend scales by the router's rule.
     router_options = {**router_replica_options(config), **_replica_options(config, num_cpus=0)}
     holds = limits.router_max_ongoing_requests + limits.router_max_queued_requests
     router = Router.options(name="router", **router_options, max_ongoing_requests=limits.router_max_ongoing_requests,
-                            max_queued_requests=limits.router_max_queued_requests).bind(config, index, prefill, decode)
+                            max_queued_requests=holds).bind(config, index, prefill, decode)
     return Frontend.options(name="frontend", **router_options, max_ongoing_requests=2 * holds,
                             max_queued_requests=limits.router_max_queued_requests,
                             backpressure_config=_backpressure(limits)).bind(config, router)

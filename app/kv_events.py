@@ -14,6 +14,15 @@ from app.kv_index import KVIndex
 logger = logging.getLogger("ray.serve")
 
 
+def preload() -> None:
+    """Import vLLM's event types before the index serves: the import takes seconds, and done at the
+    first engine's feed it stalled every index call behind it (in CI for over the registration
+    TTL, so the index forgot both engines and the router answered 503)."""
+    import msgspec  # noqa: F401
+    import zmq.asyncio  # noqa: F401
+    from vllm.distributed import kv_events  # noqa: F401
+
+
 def apply(index: KVIndex, replica_id: str, batch) -> None:
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 

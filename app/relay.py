@@ -4,9 +4,11 @@ replica dies, as the turn loop moves a reply whose engine dies.
     frontend ──ClientRequest──▶ router replica ──ReplyStart, ReplyChunk…──▶ Relay ──▶ SSE / JSON
     the replica died mid-reply ──ClientRequest(resume=Resume(prompt, tokens sent))──▶ another replica
 Greedy replies stay token-exact across the move; the client sees one uninterrupted reply.
+`Admission` counts the replies a frontend replica holds, and refuses past its bound.
 """
 
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -95,3 +97,23 @@ class Relay:
         self.on_move(stage)
         logger.warning("router replica died (stage %s, %d tokens sent): moving the reply: %s", stage,
                        len(self.sent), f"{type(exc).__name__}: {exc}"[:300])
+
+
+class Admission:
+    """The replies one frontend replica holds, each from its request until its reply ends; past
+    `capacity` a request is refused (the frontend answers 503 + Retry-After)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.held = capacity, 0
+
+    def admit(self, relay: Relay) -> Callable[[], None] | None:
+        """A one-shot release for `relay`'s place, or None when every place is held. The place is
+        also released when the relay is dropped unread: a client gone before its stream started
+        never runs the stream's own cleanup."""
+        if self.held >= self.capacity:
+            return None
+        self.held += 1
+        return weakref.finalize(relay, self._release)
+
+    def _release(self) -> None:
+        self.held -= 1

@@ -3,14 +3,15 @@
 client ──HTTP──▶ here: validate ──ClientRequest──▶ router ──ReplyStart, ReplyChunk…──▶ here ──▶ SSE/JSON
 It holds no conversation state, so nothing is lost with it but its open connections; a router
 replica that dies mid-reply is replaced under the reply (app/relay.py). Every failure answers in
-the OpenAI error shape: 400/401/403/404/413 for the client's mistakes, 503 + Retry-After while no
-engine or router can serve, 504 when a stage times out, 500 otherwise (in-band once a stream has
-started).
+the OpenAI error shape: 400/401/403/404/413 for the client's mistakes, 503 + Retry-After past its
+admission bound or while no engine or router can serve, 504 when a stage times out, 500 otherwise
+(in-band once a stream has started).
 """
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -34,7 +35,7 @@ from app.openai_api import (
     usage,
 )
 from app.protocol import ClientRequest
-from app.relay import NoRouterAlive, Relay
+from app.relay import Admission, NoRouterAlive, Relay
 from app.reply import NoEngineAlive, StageTimeout
 from app.routing import NoPrefillReplica
 from app.tenants import Forbidden, Unauthorized, require_admin
@@ -90,6 +91,10 @@ class Frontend:
         self.router = router.options(_by_reference=False)
         self.streams = router.options(stream=True, _by_reference=False)
         api.state.max_request_bytes, api.state.retry_after_s = self.limits.max_request_bytes, self.limits.retry_after_s
+        # Admission is counted here, not left to Serve's caller-side queue bound: under a burst
+        # Serve sent 20 of 20 requests on with 12 places (a replica's refusals re-enter its queue
+        # unchecked). One frontend replica holds what one router replica does.
+        self.admission = Admission(self.limits.router_max_ongoing_requests + self.limits.router_max_queued_requests)
         self.health_body: dict[str, Any] = {"status": "starting", "live_engines": {}}
         self.health_at = 0.0
         asyncio.get_event_loop().create_task(self._follow_health())
@@ -151,18 +156,23 @@ class Frontend:
         relay = Relay(self.streams, request, body.sampling(DEFAULT_MAX_TOKENS).max_tokens, ROUTER_ATTEMPTS,
                       movable=body.structured_outputs is None,  # a grammar's state cannot move
                       on_move=lambda stage: self.moves.inc(1, {"stage": stage}))
+        if (release := self.admission.admit(relay)) is None:
+            return error_response("the server is at its request limit; retry shortly", 503,
+                                  retry_after_s=self.limits.retry_after_s)
         try:
             start = await relay.begin()
         except BaseException:
             relay.close()
+            release()
             raise
         shape = ResponseShape(start.request_id, self.config.model_name, chat)
         if body.stream:
-            return StreamingResponse(self._stream(relay, shape, body), media_type="text/event-stream")
+            return StreamingResponse(self._stream(relay, shape, body, release), media_type="text/event-stream")
         try:
             return await self._complete(relay, shape, body)
         finally:
             relay.close()
+            release()
 
     async def _complete(self, relay: Relay, shape: ResponseShape, body: GenerationRequest):
         finish_reason = None
@@ -174,7 +184,7 @@ class Frontend:
         ids, prompt = (relay.sent, list(start.prompt_token_ids)) if body.return_token_ids else (None, None)
         return shape.full("".join(relay.text), finish_reason, use, ids, prompt)
 
-    async def _stream(self, relay: Relay, shape: ResponseShape, body: GenerationRequest):
+    async def _stream(self, relay: Relay, shape: ResponseShape, body: GenerationRequest, release: Callable[[], Any]):
         start = relay.start
         prompt = list(start.prompt_token_ids) if body.return_token_ids else None
         try:
@@ -190,6 +200,7 @@ class Frontend:
             yield sse(error_body(f"generation failed: {type(exc).__name__}", 500))
         finally:
             relay.close()
+            release()
         if body.include_usage:
             yield shape.usage_chunk(usage(len(start.prompt_token_ids), len(relay.sent), start.cached_tokens))
         yield sse("[DONE]")

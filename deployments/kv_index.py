@@ -29,6 +29,8 @@ class KVIndexServer:
     KV-event feeds, so the index needs no lock (sync methods would run in a thread pool)."""
 
     def __init__(self, config: AppConfig) -> None:
+        if config.kv_events:
+            kv_events.preload()
         self.config = config
         self.started = time.monotonic()
         self.index = KVIndex(block_size=config.block_size, hash_seed=config.prefix_hash_seed)

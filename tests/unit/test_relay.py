@@ -79,3 +79,20 @@ def test_a_grammar_reply_does_not_move_and_a_router_that_keeps_dying_gives_up():
         _relay(Router([START, ReplyChunk((7,), " a"), ActorDiedError()]), movable=False)
     with pytest.raises(NoRouterAlive):
         _relay(Router(*[[START, ActorDiedError()]] * 3))
+
+
+def test_admission_holds_a_place_per_reply_until_it_ends_or_its_relay_is_dropped():
+    import gc
+
+    from app.relay import Admission
+
+    admission = Admission(capacity=2)
+    first, second = (Relay(None, None, 8, 3) for _ in range(2))
+    release_first, _ = admission.admit(first), admission.admit(second)
+    assert admission.admit(Relay(None, None, 8, 3)) is None and admission.held == 2  # full: refused
+    release_first()
+    release_first()  # a reply's end may be reported twice (stream and caller): counted once
+    assert admission.held == 1
+    del second  # never streamed: the client left before its stream started
+    gc.collect()
+    assert admission.held == 0
