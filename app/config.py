@@ -330,6 +330,9 @@ class AppConfig:
     stream_interval_tokens: int = 4
     """Decode streams its first token at once, then every this many tokens (vLLM's stream_interval):
     each streamed chunk is two Serve hops, which on a small machine cost the engines CPU time."""
+    later_turns_first: bool = True
+    """Engines schedule by priority (vLLM's "priority" policy): a later turn's prompt, a short
+    append whose user waits, goes ahead of first turns waiting in the same engine; off: FCFS."""
     first_token_from_prefill: bool = True
     """Send the client the first token prefill samples, and let decode continue after it: TTFT
     then excludes decode's KV read and first step. Off, or for requests with stop strings or a
@@ -340,6 +343,13 @@ class AppConfig:
     Above 1 s so the worker's shared-memory reader goes idle too."""
     bind_engine_cores: bool = True
     """Pin each CPU engine's OpenMP threads to its own core (VLLM_CPU_OMP_THREADS_BIND)."""
+    engine_nice: int = 19
+    """CPU only: each engine's processes run at this nice value (app/engine_nice.py), so that the
+    serving path's Python, which needs little CPU but must not wait, runs ahead of a prefill's
+    compute on the cores it shares with the engines. Ray starts every worker, so every Serve
+    replica, at nice 15 (RAY_worker_niceness), and the engines inherit it: only a value above 15
+    puts them behind the serving path (at 10 they ran ahead of it and later-turn TTFT tripled).
+    0: keep the inherited value. The benchmarks give their peers the same two values."""
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
     """kv_aware, session_affinity, round_robin or least_loaded (see app/routing.py)."""
     cost_per_token: float = 1.0
@@ -378,6 +388,7 @@ class AppConfig:
                 self.prefill.replicas >= 1 and self.decode.replicas >= 1,
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
             "stream_interval_tokens must be >= 1": self.stream_interval_tokens >= 1,
+            "engine_nice must lie in [0, 19]": 0 <= self.engine_nice <= 19,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
             "min_local_horizon_s must be >= 0": self.min_local_horizon_s >= 0,
             # At least three of decode's heartbeats inside each lease extension on prefill.

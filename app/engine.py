@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config import AppConfig, Device, EngineGroupConfig
+from app.engine_nice import ENGINE_NICE_ENV
 from app.hashing import HASH_ALGO
 from app.idle_poll import IDLE_POLL_ENV
 from app.metrics import kv_bytes_per_token
@@ -154,6 +155,7 @@ def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIden
            "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}
     if config.device == Device.CPU:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(group.kv_cache_gib)
+        env[ENGINE_NICE_ENV] = str(config.engine_nice)
     if identity.cpu_core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(identity.cpu_core)
     return env
@@ -189,6 +191,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         gpu_memory_utilization=group.gpu_memory_utilization,
         num_gpu_blocks_override=group.num_gpu_blocks_override or None,
         stream_interval=config.stream_interval_tokens,
+        scheduling_policy="priority" if config.later_turns_first else "fcfs",
         kv_transfer_config=transfer, worker_extension_cls="app.nixl_poll.NixlPollDelay",
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=identity.engine_events_endpoint) if config.kv_events else None,
@@ -298,12 +301,13 @@ class Engine:
         return self.tracker.report
 
     async def generate(self, request_id: str, prompt_token_ids: tuple[int, ...], cache_salt: str,
-                       settings: SamplingSettings, kv_transfer_params: dict[str, Any]) -> AsyncIterator[Any]:
+                       settings: SamplingSettings, kv_transfer_params: dict[str, Any],
+                       priority: int = 0) -> AsyncIterator[Any]:
         """The request's outputs (deltas); EngineDied within DEAD_ENGINE_POLL_S of the engine's death."""
         self.in_flight += 1
         try:
             async with aclosing(self._outputs(request_id, prompt_token_ids, cache_salt, settings,
-                                              kv_transfer_params)) as outputs:
+                                              kv_transfer_params, priority)) as outputs:
                 async for output in outputs:
                     yield output
         finally:
@@ -311,14 +315,15 @@ class Engine:
             self.quiet_since = time.monotonic()
 
     def _outputs(self, request_id: str, prompt_token_ids: tuple[int, ...], cache_salt: str,
-                 settings: SamplingSettings, kv_transfer_params: dict[str, Any]) -> AsyncIterator[Any]:
+                 settings: SamplingSettings, kv_transfer_params: dict[str, Any], priority: int = 0
+                 ) -> AsyncIterator[Any]:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params = sampling_params(settings, kv_transfer_params)
         params.output_kind = RequestOutputKind.DELTA
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids), cache_salt=cache_salt)
-        outputs = self.llm.generate(prompt, params, request_id)
+        outputs = self.llm.generate(prompt, params, request_id, priority=priority)
         return while_alive(outputs, lambda: self.llm.errored, DEAD_ENGINE_POLL_S)
 
     async def probe_compute_cost(self, num_tokens: int, runs: int = 2) -> None:

@@ -218,6 +218,8 @@ class PrefillRequest:
     first_token: SamplingSettings | None = None
     """The turn's sampling settings: prefill samples the turn's first token with them. None:
     prefill samples one greedy token nobody sees and decode samples the first token."""
+    priority: int = 0
+    """vLLM's scheduling priority (lower first): later turns ahead of first turns (app/turn.py)."""
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,8 @@ class DecodeRequest:
     """The replica the router chose (the one retaining the conversation, else the least busy)."""
     retain: bool = True
     """Hold the finished sequence's blocks for the next turn's pull (False: free them at the end)."""
+    priority: int = 0
+    """vLLM's scheduling priority (lower first): later turns ahead of first turns (app/turn.py)."""
 
 
 class Action(str, enum.Enum):

@@ -50,6 +50,7 @@ from app.reply import EngineGone, NoEngineAlive, ReplyStream, StageTimeout, migr
 from app.routing import CostWeights, PrefillChooser, RoutingPolicy
 
 logger = logging.getLogger("ray.serve")
+LATER_TURN_PRIORITY, FIRST_TURN_PRIORITY = 0, 1
 OWN_RETAINED_EXPIRY_S = 5.0
 """How often the router drops expired entries from its own record of retained sequences."""
 MAX_ATTEMPTS = 3
@@ -76,6 +77,12 @@ class Turn:
     """May a short append run whole on the decode replica that retains the conversation?"""
     load_aware: bool = True
     """Place the prompt by both sides' load and costs (app/placement.py), not by the fixed rule."""
+
+    @property
+    def priority(self) -> int:
+        """vLLM's request priority (lower runs first): a later turn, whose user waits on a short
+        append, goes ahead of first turns waiting in the same engine."""
+        return LATER_TURN_PRIORITY if self.turn_index > 1 else FIRST_TURN_PRIORITY
 
 
 @dataclass(frozen=True)
@@ -388,7 +395,7 @@ class TurnLoop:
         request = PrefillRequest(request_id=f"{turn.request_id}-p{suffix}",
                                  prompt_token_ids=turn.prompt_token_ids, cache_salt=turn.cache_salt,
                                  target_replica_id=decision.prefill_replica_id, pull=decision.pull,
-                                 first_token=self._first_token_settings(turn))
+                                 first_token=self._first_token_settings(turn), priority=turn.priority)
         load = len(turn.prompt_token_ids) - decision.tokens_local
         self.journal.queued_tokens[decision.prefill_replica_id] += load
         try:
@@ -416,7 +423,8 @@ class TurnLoop:
             raise RuntimeError(f"no live {role.value} replica")
         request = DecodeRequest(request_id=f"{turn.request_id}-{role.value[0]}{suffix}",
                                 prompt_token_ids=turn.prompt_token_ids, cache_salt=turn.cache_salt,
-                                sampling=turn.sampling, handoff=None, target_replica_id=target, retain=on_decode)
+                                sampling=turn.sampling, handoff=None, target_replica_id=target, retain=on_decode,
+                                priority=turn.priority)
         stream = ledger.open_stream = self._stream(role, request)
         queued = len(turn.prompt_token_ids) - decision.tokens_local
         self.journal.queued_tokens[target] += queued
@@ -440,7 +448,7 @@ class TurnLoop:
             prompt, sampling = prompt + first.token_ids, replace(sampling, max_tokens=sampling.max_tokens - 1)
         return DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=prompt, cache_salt=turn.cache_salt,
                              sampling=sampling, handoff=prepared.prefill.handoff,
-                             target_replica_id=retained.replica_id if retained else "")
+                             target_replica_id=retained.replica_id if retained else "", priority=turn.priority)
 
     def _continue(self, request: DecodeRequest) -> ReplyStream:
         """Stream `request` on a live decode replica (its preferred one if live), else compute it

@@ -13,11 +13,16 @@ from contextlib import contextmanager
 import httpx
 
 from app.config import AppConfig, EngineGroupConfig
+from app.engine_nice import ENGINE_NICE_ENV
 from app.launch import free_local_port
 from app.nixl_poll import POLL_DELAY_ENV
 
 SERVE_LLM_APP = "serve-llm-pd"
 SERVE_LLM_PREFIX = "/serve-llm"
+
+
+RAY_WORKER_NICENESS = 15
+"""The nice value Ray starts its workers at (RAY_worker_niceness), Serve replicas included."""
 
 
 def _wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> None:
@@ -34,15 +39,19 @@ def _wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> None:
 
 @contextmanager
 def plain_vllm(config: AppConfig) -> Iterator[str]:
-    """vLLM's own OpenAI server on one engine (all cores, this app's pool and stream interval): the
-    single-engine ideal. Yields its URL."""
+    """vLLM's own OpenAI server on one engine (all cores, this app's pool, stream interval and engine
+    priority): the single-engine ideal. Yields its URL."""
     port = free_local_port()
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_path()),
                "--served-model-name", config.model_name, "--dtype", config.engine_dtype, "--block-size",
                str(config.block_size), "--max-model-len", str(config.max_model_len), "--enforce-eager",
                "--enable-prefix-caching", "--enable-prompt-tokens-details", "--stream-interval",
                str(config.stream_interval_tokens), "--host", "127.0.0.1", "--port", str(port)]
-    server = subprocess.Popen(command, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    # The app's priorities too: its API server at Ray's worker niceness, as every Serve replica, and
+    # its engine processes at the app's engine_nice (this package's vLLM plugin lowers their own).
+    server = subprocess.Popen(command, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                                            ENGINE_NICE_ENV: str(config.engine_nice)},
+                              preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, RAY_WORKER_NICENESS),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -56,7 +65,7 @@ def plain_vllm(config: AppConfig) -> Iterator[str]:
 def serve_llm_pd_args(config: AppConfig) -> dict:
     """`build_pd_openai_app` args for one prefill and one decode engine with this app's engine
     settings (model, dtype, block size, pools, prefix caching, NIXL over UCX with the same poll
-    delay), each engine on its own core."""
+    delay, engine priority), each engine on its own core."""
 
     def llm_config(group: EngineGroupConfig, core: int) -> dict:
         transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
@@ -69,7 +78,7 @@ def serve_llm_pd_args(config: AppConfig) -> dict:
         if group.num_gpu_blocks_override:
             engine["num_gpu_blocks_override"] = group.num_gpu_blocks_override
         env = {"VLLM_CPU_KVCACHE_SPACE": str(group.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": str(core),
-               POLL_DELAY_ENV: str(config.nixl_poll_delay_us)}
+               POLL_DELAY_ENV: str(config.nixl_poll_delay_us), ENGINE_NICE_ENV: str(config.engine_nice)}
         return {"model_loading_config": {"model_id": config.model_name, "model_source": str(config.model_path())},
                 "accelerator_config": {"kind": "cpu"}, "placement_group_config": {"bundles": [{"CPU": 1}]},
                 "engine_kwargs": engine, "runtime_env": {"env_vars": env}, "log_engine_metrics": True,

@@ -93,7 +93,7 @@ class EngineReplica:
             params = to_vllm_params(request.handoff, Role.DECODE)
         generated: list[int] = []
         stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.cache_salt,
-                                      request.sampling, params)
+                                      request.sampling, params, request.priority)
         async for output in stream:
             completion = output.outputs[0]
             if completion.finish_reason == "error":

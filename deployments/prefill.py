@@ -39,7 +39,7 @@ class PrefillServer(EngineReplica):
         # prefill read the history's blocks from decode first.
         params = to_vllm_params(request.pull, Role.PREFILL) if request.pull else hold_params()
         stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.cache_salt,
-                                      engine_settings(request, self.config.block_size), params)
+                                      engine_settings(request, self.config.block_size), params, request.priority)
         queued = len(request.prompt_token_ids) - (request.pull.num_tokens if request.pull else 0)
         self.queued_tokens.add(queued)
         try:
