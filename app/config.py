@@ -150,10 +150,16 @@ class Placement:
     gets no turns would otherwise keep a stale cost, and so keep getting none."""
     cost_refresh_quiet_s: float = 1.0
     """How long an engine must have had no request before it re-times its compute cost."""
+    explore_after_s: float = 10.0
+    """A side whose calibration no placed turn has refreshed for this long takes the next turn
+    estimated there at most `explore_within` times the other side's (one turn, logged as explored):
+    an offset learned from warm-up turns kept every later turn off decode, and nothing corrected it."""
+    explore_within: float = 2.0
+    """How much slower (estimated) a side may be and still take an exploring turn."""
 
     def __post_init__(self) -> None:
         failed = [f"placement.{name} must be >= 0" for name in ("itl_weight", "prior_pull_share",
-                                                                 "cost_refresh_quiet_s")
+                                                                 "cost_refresh_quiet_s", "explore_after_s")
                   if getattr(self, name) < 0]
         if not 0 < self.kv_high_watermark <= 1:
             failed.append("placement.kv_high_watermark must lie in (0, 1]")

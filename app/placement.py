@@ -12,6 +12,7 @@ compute and pull: seconds per token, measured by each engine (LoadReport). A dec
 KV pool is fuller than the watermark, or a prompt longer than the cap, stays off decode.
 """
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -26,6 +27,11 @@ class PlacementPolicy:
     max_decode_prefill_tokens: int
     prior_pull_share: float
     """Before an engine has pulled anything: a pulled token costs this share of a computed one."""
+    explore_after_s: float = 10.0
+    explore_within: float = 2.0
+    """A side whose calibration no turn has refreshed for `explore_after_s` takes the next turn
+    estimated there at most `explore_within` times the other side's: an offset learned once (from
+    warm-up turns) would otherwise keep every later turn off decode, and nothing would correct it."""
 
 
 def pull_cost(load: LoadReport, policy: PlacementPolicy) -> float:
@@ -71,7 +77,11 @@ def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[Routi
             prompt_tokens - on_prefill.tokens_local - on_prefill.pulled_tokens, on_prefill.pulled_tokens,
             decode_compute, prefill_load, decode_load, queued.get(on_prefill.prefill_replica_id, 0),
             queued.get(decode_id, 0), policy))
-        if decode_allowed(decode_compute, decode_load, policy) and sides.decode_sooner and (
+        allowed = decode_allowed(decode_compute, decode_load, policy)
+        decode_sooner = sides.decode_sooner
+        if allowed and calibration.due(sides, policy):
+            decode_sooner, sides = not decode_sooner, replace(sides, explored=True)
+        if allowed and decode_sooner and (
                 best is None or best.placement is None or sides.on_decode_ms < best.placement.on_decode_ms):
             best = replace(candidate, placement=sides)
         elif best is None:
@@ -91,10 +101,21 @@ class Calibration:
     def __init__(self, alpha: float = 0.05, slope_range: tuple[float, float] = (0.25, 4.0),
                  min_spread_ms: float = 10.0) -> None:
         self.fits = {side: _LineFit(alpha, slope_range, min_spread_ms) for side in ("prefill", "decode")}
+        self.observed_at: dict[str, float] = {}
+
+    def due(self, sides: Estimate, policy: PlacementPolicy) -> bool:
+        """Should the side estimated slower take this turn? Yes when its fit has learned something
+        that no turn has checked for `policy.explore_after_s` and it is close enough to be worth it."""
+        slower, sooner = ("prefill", sides.on_decode_ms) if sides.decode_sooner else ("decode", sides.on_prefill_ms)
+        slower_ms = sides.on_prefill_ms if sides.decode_sooner else sides.on_decode_ms
+        seen = self.observed_at.get(slower)
+        return (seen is not None and time.monotonic() - seen > policy.explore_after_s
+                and slower_ms <= policy.explore_within * max(sooner, 1.0))
 
     def observe(self, placed: Estimate, on_decode: bool, measured_ms: float) -> None:
         """`placed`: the corrected estimate the turn was placed by; `measured_ms`: plan to first chunk."""
         side = "decode" if on_decode else "prefill"
+        self.observed_at[side] = time.monotonic()
         raw = placed.on_decode_ms - placed.decode_residual_ms if on_decode else (
             placed.on_prefill_ms - placed.prefill_residual_ms)
         self.fits[side].add(raw, measured_ms)

@@ -116,7 +116,8 @@ class TurnLoop:
                                  max_decode_prefill_tokens=config.max_decode_prefill_tokens)
         self.placement = PlacementPolicy(config.placement.itl_weight,
                                          config.placement.kv_high_watermark, config.max_decode_prefill_tokens,
-                                         config.placement.prior_pull_share)
+                                         config.placement.prior_pull_share, config.placement.explore_after_s,
+                                         config.placement.explore_within)
         self.calibration = Calibration()
         weights = CostWeights(config.cost_per_token, config.load_weight, config.transfer_cost_per_token)
         self.choosers = {p: PrefillChooser(p, self.policy, weights) for p in RoutingPolicy}

@@ -183,3 +183,20 @@ def test_an_idle_engine_re_times_a_stale_compute_cost_and_a_request_during_the_p
     assert not refresh() and engine.tracker.report.compute_s_per_token == 160e-6  # a request joined the probe
     engine.in_flight = 0
     assert refresh() and abs(engine.tracker.report.compute_s_per_token - 100e-6) < 1e-12  # weighs half
+
+
+def test_a_side_no_turn_has_checked_for_a_while_takes_the_next_turn_that_is_close_enough():
+    import time
+
+    from app.placement import Calibration
+    from app.protocol import Estimate
+
+    calibration = Calibration()
+    sides = Estimate(20.0, 30.0, 0, 0, 0, 0.0, 60.0, 60.0, 3.0)  # prefill sooner by its learned offset
+    assert not calibration.due(sides, POLICY)  # decode's fit has learned nothing: nothing to check
+    calibration.observed_at["decode"] = time.monotonic()
+    assert not calibration.due(sides, POLICY)  # checked just now
+    calibration.observed_at["decode"] -= POLICY.explore_after_s + 1
+    assert calibration.due(sides, POLICY)
+    far = Estimate(20.0, 50.0, 0, 0, 0, 0.0, 60.0, 60.0, 3.0)
+    assert not calibration.due(far, POLICY)  # more than twice as slow: not worth a turn
