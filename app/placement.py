@@ -106,11 +106,13 @@ class Calibration:
     def due(self, sides: Estimate, policy: PlacementPolicy) -> bool:
         """Should the side estimated slower take this turn? Yes when its fit has learned something
         that no turn has checked for `policy.explore_after_s` and it is close enough to be worth it."""
-        slower, sooner = ("prefill", sides.on_decode_ms) if sides.decode_sooner else ("decode", sides.on_prefill_ms)
-        slower_ms = sides.on_prefill_ms if sides.decode_sooner else sides.on_decode_ms
+        if sides.decode_sooner:
+            slower, slower_ms, sooner_ms = "prefill", sides.on_prefill_ms, sides.on_decode_ms
+        else:
+            slower, slower_ms, sooner_ms = "decode", sides.on_decode_ms, sides.on_prefill_ms
         seen = self.observed_at.get(slower)
         return (seen is not None and time.monotonic() - seen > policy.explore_after_s
-                and slower_ms <= policy.explore_within * max(sooner, 1.0))
+                and slower_ms <= policy.explore_within * max(sooner_ms, 1.0))
 
     def observe(self, placed: Estimate, on_decode: bool, measured_ms: float) -> None:
         """`placed`: the corrected estimate the turn was placed by; `measured_ms`: plan to first chunk."""
