@@ -111,6 +111,11 @@ class Limits:
     """Decode keeps finished sequences for the next turn in at most this share of its KV pool; past
     it, or when requests wait for blocks, the oldest are released (they are a cache, not a reservation)."""
 
+    @property
+    def router_holds(self) -> int:
+        """Requests one router replica holds, ongoing plus queued: what one frontend replica admits."""
+        return self.router_max_ongoing_requests + self.router_max_queued_requests
+
     def __post_init__(self) -> None:
         positive = {name: getattr(self, name) for name in (
             "router_max_ongoing_requests", "engine_max_ongoing_requests", "index_max_ongoing_requests",
@@ -257,7 +262,7 @@ class Autoscaling:
 class ReplicaRuntime:
     """How Serve runs every replica's Python, set on each deployment (Ray's throughput-optimized
     settings, without the cluster-wide flag). At 64 conversations here the four Serve roles took
-    15 % less CPU per reply with the first three on (docs/measurements.md)."""
+    14 % less CPU per reply with the first three on (docs/measurements.md)."""
 
     user_code_on_main_loop: bool = True
     """Run handlers on the replica's own event loop, not a second thread's (no thread hop per

@@ -68,7 +68,7 @@ def build_graph(config: AppConfig) -> "Application":
     # (a frontend's handle queues at most what it admitted; its refusal would be plain text, and
     # under a burst it is approximate). The frontend scales by the router's rule.
     router_options = {**router_replica_options(config), **_replica_options(config, num_cpus=0)}
-    holds = limits.router_max_ongoing_requests + limits.router_max_queued_requests
+    holds = limits.router_holds
     router = Router.options(name="router", **router_options, max_ongoing_requests=limits.router_max_ongoing_requests,
                             max_queued_requests=holds).bind(config, index, prefill, decode)
     return Frontend.options(name="frontend", **router_options, max_ongoing_requests=2 * holds,

@@ -94,7 +94,7 @@ class Frontend:
         # Admission is counted here, not left to Serve's caller-side queue bound: under a burst
         # Serve sent 20 of 20 requests on with 12 places (a replica's refusals re-enter its queue
         # unchecked). One frontend replica holds what one router replica does.
-        self.admission = Admission(self.limits.router_max_ongoing_requests + self.limits.router_max_queued_requests)
+        self.admission = Admission(self.limits.router_holds)
         self.health_body: dict[str, Any] = {"status": "starting", "live_engines": {}}
         self.health_at = 0.0
         asyncio.get_event_loop().create_task(self._follow_health())
