@@ -341,6 +341,14 @@ class AppConfig:
     stream_interval_tokens: int = 4
     """Decode streams its first token at once, then every this many tokens (vLLM's stream_interval):
     each streamed chunk is two Serve hops, which on a small machine cost the engines CPU time."""
+    engine_max_num_seqs: int = 128
+    """Sequences one engine's scheduler runs at once (vLLM's max_num_seqs); the rest wait in its
+    queue. Every conversation's reply streams from decode: this bounds the streams per decode
+    engine, so at least the conversations in flight per decode replica. vLLM's CPU default, set here."""
+    engine_max_batched_tokens: int = 2048
+    """Tokens one engine step computes at most (vLLM's max_num_batched_tokens): longer prompts are
+    chunked, so a prompt computed on decode stalls its streams one step of at most this many tokens
+    at a time. vLLM's CPU default for its API server, set here and given to every benchmark peer."""
     later_turns_first: bool = True
     """Engines schedule by priority (vLLM's "priority" policy): a later turn's prompt, a short
     append whose user waits, goes ahead of first turns waiting in the same engine; off: FCFS."""
@@ -355,7 +363,7 @@ class AppConfig:
     bind_engine_cores: bool = True
     """Pin each CPU engine's OpenMP threads to its own core (VLLM_CPU_OMP_THREADS_BIND)."""
     engine_nice: int = 19
-    """CPU only: each engine's processes run at this nice value (app/engine_nice.py), so that the
+    """CPU only: each engine's processes run at this nice value (app/engine_process.py), so that the
     serving path's Python, which needs little CPU but must not wait, runs ahead of a prefill's
     compute on the cores it shares with the engines. Ray starts every worker, so every Serve
     replica, at nice 15 (RAY_worker_niceness), and the engines inherit it: only a value above 15
@@ -400,6 +408,8 @@ class AppConfig:
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
             "stream_interval_tokens must be >= 1": self.stream_interval_tokens >= 1,
             "engine_nice must lie in [0, 19]": 0 <= self.engine_nice <= 19,
+            "engine_max_batched_tokens must be >= engine_max_num_seqs >= 1 (vLLM's own check)":
+                self.engine_max_batched_tokens >= self.engine_max_num_seqs >= 1,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
             "min_local_horizon_s must be >= 0": self.min_local_horizon_s >= 0,
             # At least three of decode's heartbeats inside each lease extension on prefill.

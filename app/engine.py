@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config import AppConfig, Device, EngineGroupConfig
-from app.engine_nice import ENGINE_NICE_ENV
+from app.engine_process import ENGINE_NICE_ENV
 from app.hashing import HASH_ALGO
 from app.idle_poll import IDLE_POLL_ENV
 from app.metrics import kv_bytes_per_token
@@ -190,12 +190,18 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         tensor_parallel_size=config.tensor_parallel_size,
         gpu_memory_utilization=group.gpu_memory_utilization,
         num_gpu_blocks_override=group.num_gpu_blocks_override or None,
-        stream_interval=config.stream_interval_tokens,
-        scheduling_policy="priority" if config.later_turns_first else "fcfs",
+        stream_interval=config.stream_interval_tokens, max_num_seqs=config.engine_max_num_seqs,
+        max_num_batched_tokens=config.engine_max_batched_tokens,
+        scheduling_policy=scheduling_policy(config),
         kv_transfer_config=transfer, worker_extension_cls="app.nixl_poll.NixlPollDelay",
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=identity.engine_events_endpoint) if config.kv_events else None,
         disable_log_stats=False)
+
+
+def scheduling_policy(config: AppConfig) -> str:
+    """vLLM's scheduling policy of every engine (the benchmark's peers' too)."""
+    return "priority" if config.later_turns_first else "fcfs"
 
 
 def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, Any]):

@@ -13,7 +13,8 @@ from contextlib import contextmanager
 import httpx
 
 from app.config import AppConfig, EngineGroupConfig
-from app.engine_nice import ENGINE_NICE_ENV
+from app.engine import scheduling_policy
+from app.engine_process import ENGINE_NICE_ENV
 from app.launch import free_local_port
 from app.nixl_poll import POLL_DELAY_ENV
 
@@ -46,7 +47,9 @@ def plain_vllm(config: AppConfig) -> Iterator[str]:
                "--served-model-name", config.model_name, "--dtype", config.engine_dtype, "--block-size",
                str(config.block_size), "--max-model-len", str(config.max_model_len), "--enforce-eager",
                "--enable-prefix-caching", "--enable-prompt-tokens-details", "--stream-interval",
-               str(config.stream_interval_tokens), "--host", "127.0.0.1", "--port", str(port)]
+               str(config.stream_interval_tokens), "--max-num-seqs", str(config.engine_max_num_seqs),
+               "--max-num-batched-tokens", str(config.engine_max_batched_tokens),
+               "--scheduling-policy", scheduling_policy(config), "--host", "127.0.0.1", "--port", str(port)]
     # The app's priorities too: its API server at Ray's worker niceness, as every Serve replica, and
     # its engine processes at the app's engine_nice (this package's vLLM plugin lowers their own).
     server = subprocess.Popen(command, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -74,7 +77,9 @@ def serve_llm_pd_args(config: AppConfig) -> dict:
                   "max_model_len": config.max_model_len, "enforce_eager": True,
                   "enable_prefix_caching": group.prefix_caching, "kv_transfer_config": transfer,
                   "worker_extension_cls": "app.nixl_poll.NixlPollDelay", "enable_prompt_tokens_details": True,
-                  "stream_interval": config.stream_interval_tokens}
+                  "stream_interval": config.stream_interval_tokens, "max_num_seqs": config.engine_max_num_seqs,
+                  "max_num_batched_tokens": config.engine_max_batched_tokens,
+                  "scheduling_policy": scheduling_policy(config)}
         if group.num_gpu_blocks_override:
             engine["num_gpu_blocks_override"] = group.num_gpu_blocks_override
         env = {"VLLM_CPU_KVCACHE_SPACE": str(group.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": str(core),

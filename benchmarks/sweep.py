@@ -4,10 +4,12 @@ Systems (all up for the whole run, each driven alone while the others idle):
 - `app`: this project's default, `serve run app:graph` as shipped; `app-fixed`: the same
   deployment with the fixed placement rule per request (load-aware placement off);
 - `ideal`: one plain vLLM engine fed exactly the app's prompt token ids of the same level through
-  `/v1/completions` (same reuse, no rendering, no disaggregation): the single-engine ideal;
+  `/v1/completions` with the app's per-turn priorities (same reuse and scheduling, no rendering, no
+  disaggregation): the single-engine ideal;
 - `vllm`: the same plain vLLM engine through its chat API, as users run it today;
 - `serve-llm`: Ray Serve LLM's `build_pd_openai_app` (one prefill, one decode, NIXL).
-Every engine gets the app's engine settings (block size, pool, stream interval, prefix caching);
+Every engine gets the app's engine settings (block size, pool, stream interval, prefix caching,
+scheduler limits and policy, process priority);
 the plain engine has both cores, each disaggregated engine one.
 
 Workload (issue 14): three-turn conversations through the official `openai` client, streaming,
@@ -31,6 +33,7 @@ import openai
 from app.client import TurnResult, chat_turn, completion_turn
 from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
+from app.turn import turn_priority
 from benchmarks.cpu_profile import snapshot, spent_since
 from benchmarks.multi_turn import app_decisions, rows_of
 from benchmarks.report import Row, ideal_tokens, later_hit_share, percentile
@@ -109,17 +112,21 @@ def drive_chat(url: str, conversations: list[ConversationPlan], extra: dict) -> 
 
 
 def drive_prompts(url: str, conversations: list[ConversationPlan], prompts: list[list[list[int]]],
-                  model: str) -> list[Conversation]:
+                  config: AppConfig) -> list[Conversation]:
     """The same conversations as token ids: `prompts[i][k]` is conversation i's turn k prompt, as
-    the app rendered it (a conversation the app failed ends where it failed)."""
-    client = openai_client(url)
+    the app rendered it (a conversation the app failed ends where it failed), with the priority the
+    app gives that turn."""
+    client, model = openai_client(url), config.model_name
     began = time.perf_counter()
+
+    def priority(k: int) -> dict:
+        return {"priority": turn_priority(k + 1)} if config.later_turns_first else {}
 
     def run(i: int) -> Conversation:
         plan = conversations[i]
         plan = ConversationPlan(plan.system, plan.user_turns[:len(prompts[i])], plan.think_s)
-        return converse(plan, lambda k: completion_turn(client, prompts[i][k], PROFILE.reply_tokens, model=model),
-                        began)
+        return converse(plan, lambda k: completion_turn(client, prompts[i][k], PROFILE.reply_tokens, model=model,
+                                                        **priority(k)), began)
 
     with ThreadPoolExecutor(len(conversations)) as pool:
         return list(pool.map(run, range(len(conversations))))
@@ -305,7 +312,7 @@ def run_level(level: int, systems: list[str], urls: dict[str, str], tokenizer, c
         if system == "ideal":
             if prompts is None:
                 raise ValueError("the ideal replays the app's prompts: run `app` before `ideal`")
-            done = drive_prompts(urls[system], app_plans, prompts, config.model_name)
+            done = drive_prompts(urls[system], app_plans, prompts, config)
         else:
             conversations = plans(tokenizer, level, system)
             done = drive_chat(urls[system], conversations, {"model": config.model_name, **APP_EXTRA.get(system, {})})

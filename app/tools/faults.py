@@ -1,5 +1,5 @@
 """Real faults for a running app, and the wait for it to be whole again: kill a replica's actor,
-SIGKILL a replica's vLLM engine process, kill the KV index or a router replica.
+SIGKILL a replica's process or its vLLM engine process, kill the KV index or a router replica.
 
 driver (tests/integration/test_faults.py, benchmarks/faults.py) ──ray.kill / os.kill──▶ the app
 Run it on the machine of the replica it hits (engine pids are local), in a driver connected to
@@ -17,7 +17,8 @@ from app.launch import APP_NAME
 from app.protocol import DecodeRequest, EngineStatus, SamplingSettings
 
 SERVE_NAMESPACE = "serve"
-FAULTS = ("kill_decode_replica", "sigkill_decode_engine", "sigkill_prefill_engine", "kill_index")
+FAULTS = ("kill_decode_replica", "sigkill_decode_replica", "sigkill_decode_engine", "sigkill_prefill_engine",
+          "kill_index")
 """The faults between turns that `inject` knows, by name."""
 DEPLOYMENTS = {"decode": "decode", "prefill": "prefill", "index": "KVIndexServer", "router": "router",
                "frontend": "frontend"}
@@ -45,16 +46,40 @@ def engine_status(deployment: str) -> EngineStatus:
     return serve.get_deployment_handle(deployment, APP_NAME).status.remote().result(timeout_s=30)
 
 
+def sigkill_replica(deployment: str) -> str:
+    """SIGKILL one replica's process, as the OOM killer or `ray stop --force` does (Serve starts
+    another); returns the killed actor's name."""
+    name = replica_names(deployment)[0]
+    os.kill(_actor_pid(name), signal.SIGKILL)
+    return name
+
+
 def engine_pids(deployment: str) -> list[int]:
     """The vLLM engine-core processes under a replica's actor, found from the process tree (no call
     to the replica, which may be busy or being replaced)."""
     import psutil
+
+    children = psutil.Process(_actor_pid(replica_names(deployment)[0])).children(recursive=True)
+    return [c.pid for c in children if "EngineCore" in " ".join([c.name(), *c.cmdline()])]
+
+
+def _actor_pid(name: str) -> int:
     from ray._private.state import actors  # the GCS's actor table: no dashboard needed
 
-    name = replica_names(deployment)[0]
-    pid = next(a["Pid"] for a in actors().values() if a["Name"] == name and a["State"] == "ALIVE")
-    children = psutil.Process(pid).children(recursive=True)
-    return [c.pid for c in children if "EngineCore" in " ".join([c.name(), *c.cmdline()])]
+    return next(a["Pid"] for a in actors().values() if a["Name"] == name and a["State"] == "ALIVE")
+
+
+def running(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (a zombie has exited)."""
+    import psutil
+
+    def live(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    return [pid for pid in pids if live(pid)]
 
 
 def sigkill_engine(deployment: str) -> str:
@@ -68,8 +93,11 @@ def sigkill_engine(deployment: str) -> str:
 def inject(fault: str) -> str:
     """One named fault (see FAULTS); returns the actor name of the replica hit."""
     action, _, part = fault.partition("_")
-    deployment = DEPLOYMENTS[part.split("_")[0]]
-    return sigkill_engine(deployment) if action == "sigkill" else kill_replica(deployment)
+    role, _, target = part.partition("_")
+    deployment = DEPLOYMENTS[role]
+    if action == "sigkill":
+        return sigkill_engine(deployment) if target == "engine" else sigkill_replica(deployment)
+    return kill_replica(deployment)
 
 
 def probe_decode_usage(tokens: int = 8) -> EngineStatus:

@@ -31,7 +31,7 @@ def _next(messages: list[dict], turn, user: str) -> list[dict]:
 # The engine SIGKILLs between turns are measured by benchmarks.faults; in the full suite on 2 cores
 # they failed twice (the replica's process tree or a replacement still starting), so the suite kills
 # decode's engine mid-reply instead (the next test), which held in every run.
-@pytest.mark.parametrize("fault", ["kill_decode_replica", "kill_index"])
+@pytest.mark.parametrize("fault", ["kill_decode_replica", "sigkill_decode_replica", "kill_index"])
 def test_a_fault_between_turns_costs_no_turn_and_no_wrong_token(fault, client, reference, base_url):
     """Turn 2 goes through the part that was hit (prefill's turns go through prefill). How long it
     took is measured by `python -m benchmarks.faults`, not asserted here."""
@@ -39,6 +39,7 @@ def test_a_fault_between_turns_costs_no_turn_and_no_wrong_token(fault, client, r
     through_prefill = {"prefill_on_decode": False} if "prefill" in fault else {}
     messages = _messages(fault)
     first = chat_turn(client, messages, MAX_TOKENS, **through_prefill)
+    engines = faults.engine_pids(faults.DEPLOYMENTS["decode"]) if fault.endswith("decode_replica") else []
     hit = faults.inject(fault)
     try:
         messages = _next(messages, first, "And then?")
@@ -51,6 +52,9 @@ def test_a_fault_between_turns_costs_no_turn_and_no_wrong_token(fault, client, r
             assert faults.health(base_url)["status"] == "ok", "engines outlive the index"
     finally:
         faults.wait_whole(base_url, gone=(hit,))
+    # The killed replica's engine processes exit with it (Ray's raylet, the workers' subreaper, kills
+    # them; app/engine_process.py covers the raylet's own death), not live on beside its replacement.
+    faults.wait_until(lambda: not faults.running(engines), timeout_s=30)
 
 
 def test_a_decode_engine_that_dies_mid_reply_hands_the_reply_to_another_engine(client, reference, base_url):

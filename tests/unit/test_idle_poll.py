@@ -53,27 +53,3 @@ def test_the_patch_waits_for_work_only_when_enabled(monkeypatch):
     assert handled == [("add", "request")] and processed == [True]
     patched(engine)  # nothing queued: waits one poll, then lets vLLM step (which polls the connector)
     assert handled == [("add", "request")] and processed == [True, True]
-
-
-def test_engine_processes_lower_their_own_priority_and_the_process_owning_the_engine_keeps_its(monkeypatch):
-    import multiprocessing
-    import os
-
-    from app import engine_nice
-
-    calls = []
-    monkeypatch.setattr(os, "setpriority", lambda *args: calls.append(args))
-    monkeypatch.setattr(os, "getpriority", lambda *args: 15)  # Ray's worker niceness, inherited
-    monkeypatch.setenv(engine_nice.ENGINE_NICE_ENV, "19")
-    monkeypatch.setattr(multiprocessing, "parent_process", lambda: None)  # a Serve replica, vLLM's API server
-    engine_nice.register()
-    assert calls == []
-    monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())  # EngineCore, its workers
-    engine_nice.register()
-    assert calls == [(os.PRIO_PROCESS, 0, 19)]
-    monkeypatch.setenv(engine_nice.ENGINE_NICE_ENV, "10")  # would raise it: the engine keeps 15
-    engine_nice.register()
-    assert calls[-1] == (os.PRIO_PROCESS, 0, 15)
-    monkeypatch.setenv(engine_nice.ENGINE_NICE_ENV, "0")
-    engine_nice.register()
-    assert len(calls) == 2

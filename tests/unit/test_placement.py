@@ -113,6 +113,15 @@ def test_a_first_turn_goes_to_an_idle_decode_while_prefill_is_queued():
     assert prepared.log_entry["placement"]["prefill_queued_tokens"] == 8192
 
 
+def test_first_turns_calibrate_first_turns_only_so_a_burst_of_them_leaves_the_appends_estimates_alone():
+    lookup = PrefixLookup(prefill_cached_tokens={"p0": 0})
+    loop = turn_loop(PREFILLED, DecodeGroup(REPLY), lookup, members=_members(IDLE, IDLE))
+    loop.journal.queued_tokens["p0"] = 8192
+    _run(loop)
+    assert loop.calibrations[False].fits["decode"].w > 0
+    assert all(fit.w == 0 for fit in loop.calibrations[True].fits.values())
+
+
 def test_a_first_turn_stays_on_prefill_when_decode_is_busy_or_costs_are_unknown():
     lookup = PrefixLookup(prefill_cached_tokens={"p0": 0})
     busy = LoadReport(num_running_reqs=64, compute_s_per_token=COST)

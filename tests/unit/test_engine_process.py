@@ -1,0 +1,74 @@
+"""The vLLM plugin that engine processes run on themselves (app/engine_process.py)."""
+
+
+def test_engine_processes_lower_their_own_priority_and_the_process_owning_the_engine_keeps_its(monkeypatch):
+    import multiprocessing
+    import os
+
+    from app import engine_process
+
+    calls, watched = [], []
+    monkeypatch.setattr(os, "setpriority", lambda *args: calls.append(args))
+    monkeypatch.setattr(os, "getpriority", lambda *args: 15)  # Ray's worker niceness, inherited
+    monkeypatch.setattr(engine_process, "exit_with_parent", lambda: watched.append(True))
+    monkeypatch.setenv(engine_process.ENGINE_NICE_ENV, "19")
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: None)  # a Serve replica, vLLM's API server
+    engine_process.register()
+    assert calls == [] and watched == []
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())  # EngineCore, its workers
+    engine_process.register()
+    assert calls == [(os.PRIO_PROCESS, 0, 19)] and watched == [True]
+    monkeypatch.setenv(engine_process.ENGINE_NICE_ENV, "10")  # would raise it: the engine keeps 15
+    engine_process.register()
+    assert calls[-1] == (os.PRIO_PROCESS, 0, 15)
+    monkeypatch.setenv(engine_process.ENGINE_NICE_ENV, "0")
+    engine_process.register()
+    assert len(calls) == 2
+
+
+ORPHAN_PARENT = """
+import multiprocessing, sys, time
+from app import engine_process
+
+def engine():
+    engine_process.register()
+    time.sleep(600)
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=engine)
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_an_engine_process_whose_parent_is_killed_exits_instead_of_living_on(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(ORPHAN_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()})
+    child = int(parent.stdout.readline())
+    time.sleep(1.0)  # the child is up and watching
+    parent.send_signal(signal.SIGKILL)  # as Ray kills a replica
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.2)
+    alive = _alive(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, "the orphaned engine process lived on"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
