@@ -16,6 +16,7 @@ Workload (issue 14): three-turn conversations through the official `openai` clie
 32-token replies with `ignore_eos`, ~1k-token system prompts, exponential think time (1 s mean).
 
     python -m benchmarks.sweep [--concurrency 1,4,16,32,64] [--systems app ideal vllm serve-llm]
+                               [--set later_turns_first=false ...]
 """
 
 import argparse
@@ -324,14 +325,24 @@ def run_level(level: int, systems: list[str], urls: dict[str, str], tokenizer, c
     return rows
 
 
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not (key and sep):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,4,16,32,64", help="comma-separated conversation counts")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
+                        help="a config value for the app and every peer (dotted keys, as Serve args), e.g. "
+                             "later_turns_first=false; repeatable")
     parser.add_argument("--out", type=Path,
                         default=Path("benchmarks/results") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
-    config = load_config({"max_model_len": "4096"})
+    config = load_config({"max_model_len": "4096", **dict(args.set)})
     rows, cpu = sweep([int(n) for n in args.concurrency.split(",")], args.systems, config)
     summary = summarize(rows, config) + "\n\n" + cpu_lines(cpu)
     print(summary, flush=True)
