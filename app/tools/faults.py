@@ -47,8 +47,8 @@ def engine_status(deployment: str) -> EngineStatus:
 
 
 def sigkill_replica(deployment: str) -> str:
-    """SIGKILL one replica's process, as the OOM killer or `ray stop --force` does (Serve starts
-    another); returns the killed actor's name."""
+    """SIGKILL one replica's process, as the OOM killer does (Serve starts another); returns the
+    killed actor's name."""
     name = replica_names(deployment)[0]
     os.kill(_actor_pid(name), signal.SIGKILL)
     return name
