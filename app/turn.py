@@ -59,10 +59,10 @@ FALLBACK_REASONS = (Reason.PULL_FAILED, Reason.DECODE_FAILED, Reason.ENGINE_FAIL
 """The planned engine or pull failed: the turn's time says nothing about the placement estimate."""
 
 
-def turn_priority(turn_index: int) -> int:
-    """vLLM's request priority of a conversation's turn (1-based; lower runs first): a later turn,
-    whose user waits on a short append, goes ahead of first turns waiting in the same engine."""
-    return LATER_TURN_PRIORITY if turn_index > 1 else FIRST_TURN_PRIORITY
+def turn_priority(later: bool) -> int:
+    """vLLM's request priority of a conversation's turn (lower runs first): a later turn, whose
+    user waits on a short append, goes ahead of first turns waiting in the same engine."""
+    return LATER_TURN_PRIORITY if later else FIRST_TURN_PRIORITY
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class Turn:
 
     @property
     def priority(self) -> int:
-        return turn_priority(self.turn_index)
+        return turn_priority(self.later)
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ def drive_prompts(url: str, conversations: list[ConversationPlan], prompts: list
     began = time.perf_counter()
 
     def priority(k: int) -> dict:
-        return {"priority": turn_priority(k + 1)} if config.later_turns_first else {}
+        return {"priority": turn_priority(later=k > 0)} if config.later_turns_first else {}
 
     def run(i: int) -> Conversation:
         plan = conversations[i]
