@@ -38,18 +38,29 @@ def _wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> None:
     raise RuntimeError(f"{url} did not become healthy")
 
 
+def peer_engine_kwargs(config: AppConfig) -> dict:
+    """The engine settings every peer shares with this app's engines, as vLLM's engine arguments."""
+    return {"dtype": config.engine_dtype, "block_size": config.block_size, "max_model_len": config.max_model_len,
+            "enforce_eager": True, "enable_prompt_tokens_details": True,
+            "stream_interval": config.stream_interval_tokens, "max_num_seqs": config.engine_max_num_seqs,
+            "max_num_batched_tokens": config.engine_max_batched_tokens, "scheduling_policy": scheduling_policy(config)}
+
+
+def plain_vllm_command(config: AppConfig, port: int) -> list[str]:
+    """vLLM's OpenAI server with the peers' engine settings, prefix caching on."""
+    kwargs = {**peer_engine_kwargs(config), "enable_prefix_caching": True, "host": "127.0.0.1", "port": port}
+    flags = [item for key, value in kwargs.items()
+             for item in ([f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)]))]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_path()),
+            "--served-model-name", config.model_name, *flags]
+
+
 @contextmanager
 def plain_vllm(config: AppConfig) -> Iterator[str]:
     """vLLM's own OpenAI server on one engine (all cores, this app's pool, stream interval and engine
     priority): the single-engine ideal. Yields its URL."""
     port = free_local_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_path()),
-               "--served-model-name", config.model_name, "--dtype", config.engine_dtype, "--block-size",
-               str(config.block_size), "--max-model-len", str(config.max_model_len), "--enforce-eager",
-               "--enable-prefix-caching", "--enable-prompt-tokens-details", "--stream-interval",
-               str(config.stream_interval_tokens), "--max-num-seqs", str(config.engine_max_num_seqs),
-               "--max-num-batched-tokens", str(config.engine_max_batched_tokens),
-               "--scheduling-policy", scheduling_policy(config), "--host", "127.0.0.1", "--port", str(port)]
+    command = plain_vllm_command(config, port)
     # The app's priorities too: its API server at Ray's worker niceness, as every Serve replica, and
     # its engine processes at the app's engine_nice (this package's vLLM plugin lowers their own).
     server = subprocess.Popen(command, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -73,13 +84,8 @@ def serve_llm_pd_args(config: AppConfig) -> dict:
     def llm_config(group: EngineGroupConfig, core: int) -> dict:
         transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
                     "kv_connector_extra_config": {"backends": list(config.nixl_backends)}}
-        engine = {"dtype": config.engine_dtype, "block_size": config.block_size,
-                  "max_model_len": config.max_model_len, "enforce_eager": True,
-                  "enable_prefix_caching": group.prefix_caching, "kv_transfer_config": transfer,
-                  "worker_extension_cls": "app.nixl_poll.NixlPollDelay", "enable_prompt_tokens_details": True,
-                  "stream_interval": config.stream_interval_tokens, "max_num_seqs": config.engine_max_num_seqs,
-                  "max_num_batched_tokens": config.engine_max_batched_tokens,
-                  "scheduling_policy": scheduling_policy(config)}
+        engine = {**peer_engine_kwargs(config), "enable_prefix_caching": group.prefix_caching,
+                  "kv_transfer_config": transfer, "worker_extension_cls": "app.nixl_poll.NixlPollDelay"}
         if group.num_gpu_blocks_override:
             engine["num_gpu_blocks_override"] = group.num_gpu_blocks_override
         env = {"VLLM_CPU_KVCACHE_SPACE": str(group.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": str(core),
