@@ -155,6 +155,9 @@ class Placement:
     gets no turns would otherwise keep a stale cost, and so keep getting none."""
     cost_refresh_quiet_s: float = 1.0
     """How long an engine must have had no request before it re-times its compute cost."""
+    probe_window: int = 60
+    """The least of an engine's last this many probes is its compute cost (60: ten minutes of an
+    idle engine's probes): a probe timed while other processes loaded the machine reads high."""
     explore_after_s: float = 10.0
     """A side whose calibration no placed turn has refreshed for this long takes the next turn
     estimated there at most `explore_within` times the other side's (one turn, logged as explored):
@@ -172,6 +175,8 @@ class Placement:
             failed.append("placement.probe_tokens must be >= 32 (shorter prefills are not measured)")
         if self.cost_refresh_s <= 0:
             failed.append("placement.cost_refresh_s must be > 0")
+        if self.probe_window < 1:
+            failed.append("placement.probe_window must be >= 1")
         if failed:
             raise ValueError("invalid config: " + "; ".join(failed))
 
@@ -365,9 +370,10 @@ class AppConfig:
     engine_nice: int = 19
     """CPU only: each engine's processes run at this nice value (app/engine_process.py), so that the
     serving path's Python, which needs little CPU but must not wait, runs ahead of a prefill's
-    compute on the cores it shares with the engines. Ray starts every worker, so every Serve
-    replica, at nice 15 (RAY_worker_niceness), and the engines inherit it: only a value above 15
-    puts them behind the serving path (at 10 they ran ahead of it and later-turn TTFT tripled).
+    compute on the cores it shares with the engines. The engines inherit their replica's nice
+    value: Ray's worker niceness, 15 by default (RAY_worker_niceness), 0 where this app starts Ray
+    and in the README's command (app/launch.py). Only a value above the replicas' puts the engines
+    behind the serving path (at 10 against 15 they ran ahead of it and later-turn TTFT tripled).
     0: keep the inherited value. The benchmarks give their peers the same two values."""
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
     """kv_aware, session_affinity, round_robin or least_loaded (see app/routing.py)."""

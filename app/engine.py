@@ -11,6 +11,7 @@ import socket
 import tempfile
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -31,16 +32,17 @@ DEAD_ENGINE_POLL_S = 0.1
 MIN_MEASURED_TOKENS = 32
 """A prefill measures the engine's compute cost only when it computed at least this many tokens."""
 COST_SMOOTHING = 0.2
-PROBE_SMOOTHING = 0.5
 
 
 class LoadTracker:
     """Keeps the engine's LoadReport current: vLLM's scheduler stats every step, its finished
     prefills and its NIXL transfers for the measured costs."""
 
-    def __init__(self, kv_bytes_per_token: int) -> None:
+    def __init__(self, kv_bytes_per_token: int, probe_window: int = 1) -> None:
         self.report = LoadReport()
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.probes: deque[float] = deque(maxlen=probe_window)
+        """The last probes' costs (s a token); the least of them stands."""
         self.measured_at = 0.0
         """When the compute cost was last measured (time.monotonic())."""
 
@@ -59,11 +61,12 @@ class LoadTracker:
             self.measured_at = time.monotonic()
 
     def observe_probe(self, seconds_per_token: float) -> None:
-        """A timed prefill the engine ran alone. The first is taken as is; later ones weigh half
-        (single probes of 256 tokens on an idle engine here ranged 64-146 us a token)."""
-        previous = self.report.compute_s_per_token
-        cost = seconds_per_token if previous == 0 else previous + PROBE_SMOOTHING * (seconds_per_token - previous)
-        self.report = replace(self.report, compute_s_per_token=cost)
+        """A timed prefill the engine ran alone; the least of the recent probes is its cost. An
+        idle engine's probe is slowed only by other processes (in a sweep, other systems under
+        load: 115-740 us a token, against 64-146 on an idle machine), which its turns may never
+        meet; the app's own load reaches the estimate through the turns' calibration instead."""
+        self.probes.append(seconds_per_token)
+        self.report = replace(self.report, compute_s_per_token=min(self.probes))
         self.measured_at = time.monotonic()
 
     def observe_transfers(self, stats: dict[str, Any]) -> None:
@@ -292,7 +295,7 @@ class Engine:
         os.environ.update(engine_env(config, group, self.identity))
         self.endpoint = EngineEndpoint(engine_id=self.identity.engine_id, host=host,
                                        port=self.identity.port, tp_size=config.tensor_parallel_size)
-        self.tracker = LoadTracker(kv_bytes_per_token(config.model_path()))
+        self.tracker = LoadTracker(kv_bytes_per_token(config.model_path()), config.placement.probe_window)
         # RayPrometheusStatLogger: vLLM's own metrics through Ray's endpoint (the dashboard's engine panels).
         self.llm = AsyncLLM.from_engine_args(engine_args(config, group, self.identity),
                                              stat_loggers=[load_logger_factory(self.tracker), RayPrometheusStatLogger])

@@ -9,6 +9,11 @@ from app.model.tiny import ensure_tiny_model
 
 APP_NAME = "kvloop"
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+WORKER_NICENESS_ENV, SERVING_NICENESS = "RAY_worker_niceness", 0
+"""Ray starts its workers, so every Serve replica, at nice 15 by default. On the CPU layout the
+serving path's Python then yields to the engines' compute only weakly (weights 36 to 15 against
+engine_nice 19): at 64 conversations its hops outside the router took 58-88 ms of a later turn's
+first token at 15, 17-27 ms at 0 (docs/measurements.md)."""
 
 
 def free_local_port() -> int:
@@ -24,6 +29,12 @@ def start_local(config: AppConfig, num_cpus: int = 4) -> str:
     return url
 
 
+def worker_niceness() -> int:
+    """The nice value of the Ray workers started from this process (SERVING_NICENESS unless the
+    environment sets another)."""
+    return int(os.environ.setdefault(WORKER_NICENESS_ENV, str(SERVING_NICENESS)))
+
+
 def start_serve(num_cpus: int = 4, haproxy: bool = True) -> str:
     """A local Ray and Serve with no application yet; returns the ingress URL. `haproxy`: Serve's
     HAProxy ingress, which forwards each request straight to the router replica's own HTTP server;
@@ -33,6 +44,7 @@ def start_serve(num_cpus: int = 4, haproxy: bool = True) -> str:
 
     # Serve reads these from its environment, which it inherits from the Ray started here. HAProxy's
     # own stats and metrics ports are fixed by default: free ones let another Serve run beside.
+    worker_niceness()
     os.environ.update({HAPROXY_ENV: "1" if haproxy else "0",
                        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_local_port()),
                        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_local_port())})

@@ -166,6 +166,25 @@ class RetainedBlocks:
 
 
 @dataclass(frozen=True)
+class TurnRecords:
+    """What a finished turn tells the KV index, in one call after the reply: the sequence decode
+    retains (with the block hashes the router already computed), the blocks prefill computed, and
+    the conversation record. One call instead of three: each Serve call cost both ends CPU."""
+
+    cache_salt: str
+    retained: RetainedBlocks | None = None
+    retained_hashes: tuple[bytes, ...] = ()
+    prefill_replica_id: str = ""
+    prefill_hashes: tuple[bytes, ...] = ()
+    conversation: Any = None
+    """The turn's app.conversations.ConversationRecord, for a chat turn."""
+    session_key: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.retained is not None or bool(self.prefill_hashes) or self.conversation is not None
+
+
+@dataclass(frozen=True)
 class ReplyChunk:
     token_ids: tuple[int, ...]
     text: str

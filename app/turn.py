@@ -45,6 +45,7 @@ from app.protocol import (
     Role,
     RoutingDecision,
     SamplingSettings,
+    TurnRecords,
 )
 from app.reply import EngineGone, NoEngineAlive, ReplyStream, StageTimeout, migrated, timed, unless_gone
 from app.routing import CostWeights, PrefillChooser, RoutingPolicy
@@ -83,6 +84,8 @@ class Turn:
     """May a short append run whole on the decode replica that retains the conversation?"""
     load_aware: bool = True
     """Place the prompt by both sides' load and costs (app/placement.py), not by the fixed rule."""
+    received_at: float = 0.0
+    """time.perf_counter() when the router received the request (0: unknown)."""
 
     @property
     def later(self) -> bool:
@@ -197,7 +200,8 @@ class TurnLoop:
         if decision.placement is not None and decision.reason not in FALLBACK_REASONS:
             self.calibrations[turn.later].observe(decision.placement, decision.action == Action.PREFILL_ON_DECODE,
                                                   prefill_ms)
-        measured = {"plan_ms": round((planned - started) * 1e3, 2), "prefill_ms": prefill_ms,
+        measured = {"render_ms": round((started - turn.received_at) * 1e3, 2) if turn.received_at else None,
+                    "plan_ms": round((planned - started) * 1e3, 2), "prefill_ms": prefill_ms,
                     "eviction_horizon_s": self.journal.observe_load(result, time.time()) if on_prefill else None,
                     "first_token_from": "prefill" if (on_prefill and result.first_chunk)
                     or decision.action == Action.RUN_ON_PREFILL else "decode"}
@@ -264,24 +268,26 @@ class TurnLoop:
         finally:
             stream.close()
 
-    def close(self, turn: Turn, ledger: TurnLedger) -> None:
+    def close(self, turn: Turn, ledger: TurnLedger, conversation: Any = None, session_key: str | None = None) -> None:
         """The one way out of a turn, from the router's `finally` (before the client sees the end of
-        the reply): settle what the ledger holds. The near cache learns the retained sequence at
-        once and the index calls leave now, so the client's next turn finds them; a failed release
-        or record is logged and counted, never the user's error."""
+        the reply): settle what the ledger holds, and record `conversation` (a chat turn's
+        ConversationRecord) with it. The near cache learns the retained sequence at once and the
+        index call leaves now, so the client's next turn finds them; a failed release or record is
+        logged and counted, never the user's error."""
         ledger.advance(TurnState.ABORTED)
         if ledger.open_stream is not None:
             ledger.open_stream.close()
         settlement = settle(ledger, turn.reverse_pull)
-        if settlement.record_retained is not None:
-            self._remember(turn.cache_salt, settlement.record_retained)
-        self.spawn(self._apply(turn, ledger, settlement), "settle")
+        retained, hashes = settlement.record_retained, ()
+        if retained is not None:
+            hashes = self._remember(turn.cache_salt, retained)
+        records = TurnRecords(turn.cache_salt, retained, hashes, ledger.prefill_replica_id,
+                              tuple(ledger.hashes) if settlement.record_prefill else (), conversation, session_key)
+        self.spawn(self._apply(records, settlement), "settle")
 
-    async def _apply(self, turn: Turn, ledger: TurnLedger, settlement: Settlement) -> None:
-        if settlement.record_retained is not None:
-            await self.ask_index("record_retained", turn.cache_salt, settlement.record_retained)
-        if settlement.record_prefill:
-            await self.ask_index("record_prefill", ledger.prefill_replica_id, ledger.hashes)
+    async def _apply(self, records: TurnRecords, settlement: Settlement) -> None:
+        if records:
+            await self.ask_index("record_turn", records)
         for release in settlement.releases:
             await self._release(release)
 
@@ -501,12 +507,15 @@ class TurnLoop:
             return None
         return settings
 
-    def _remember(self, salt: str, retained: RetainedBlocks) -> None:
+    def _remember(self, salt: str, retained: RetainedBlocks) -> tuple[bytes, ...]:
+        """Put `retained` in the near cache; its block hashes."""
         now = time.time()
         if now - self._own_expired_at > OWN_RETAINED_EXPIRY_S:  # lookups skip expired ones meanwhile
             self.own_retained.expire(now)
             self._own_expired_at = now
-        self.own_retained.record_retained(salt, retained)
+        hashes = self.own_retained.retained_hashes(salt, retained)
+        self.own_retained.record_retained(salt, retained, hashes)
+        return tuple(hashes)
 
 
 def _live_only(lookup: PrefixLookup, prefill_live: list[str], decode_live: list[str]) -> PrefixLookup:

@@ -138,7 +138,8 @@ def rows_of(scenario: str, run: SystemRun, decisions: dict[str, dict], prefill_h
                 stages[2] = 0.0
             rows.append(Row(scenario, run.system, i, turn, started, r.prompt_tokens, len(r.output_ids), cached,
                             r.prompt_tokens - cached, r.ttft_s, r.itl_s, r.e2e_s, d.get("action", ""),
-                            d.get("pulled_tokens", 0), d.get("pulled_tokens", 0) * bytes_per_token, *stages))
+                            d.get("pulled_tokens", 0), d.get("pulled_tokens", 0) * bytes_per_token, *stages,
+                            render_s=(d.get("render_ms") or 0.0) / 1e3))
     return rows
 
 

@@ -15,15 +15,11 @@ import httpx
 from app.config import AppConfig, EngineGroupConfig
 from app.engine import scheduling_policy
 from app.engine_process import ENGINE_NICE_ENV
-from app.launch import free_local_port
+from app.launch import free_local_port, worker_niceness
 from app.nixl_poll import POLL_DELAY_ENV
 
 SERVE_LLM_APP = "serve-llm-pd"
 SERVE_LLM_PREFIX = "/serve-llm"
-
-
-RAY_WORKER_NICENESS = 15
-"""The nice value Ray starts its workers at (RAY_worker_niceness), Serve replicas included."""
 
 
 def _wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> None:
@@ -60,12 +56,12 @@ def plain_vllm(config: AppConfig) -> Iterator[str]:
     """vLLM's own OpenAI server on one engine (all cores, this app's pool, stream interval and engine
     priority): the single-engine ideal. Yields its URL."""
     port = free_local_port()
-    command = plain_vllm_command(config, port)
+    command, niceness = plain_vllm_command(config, port), worker_niceness()
     # The app's priorities too: its API server at Ray's worker niceness, as every Serve replica, and
     # its engine processes at the app's engine_nice (this package's vLLM plugin lowers their own).
     server = subprocess.Popen(command, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
                                             ENGINE_NICE_ENV: str(config.engine_nice)},
-                              preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, RAY_WORKER_NICENESS),
+                              preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, niceness),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

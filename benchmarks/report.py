@@ -42,6 +42,9 @@ class Row:
     """Conversations in flight (the concurrency sweep; 0 elsewhere)."""
     error: str = ""
     """Why the request failed (HTTP status or exception type); its timings are then 0."""
+    render_s: float = 0.0
+    """The app's router from receiving the request to planning it: rendering and hashing the
+    prompt, waits for the render thread included (0 for peers)."""
 
 
 def _by_label(rows: list[Row]) -> dict[tuple[str, str], list[Row]]:

@@ -14,9 +14,9 @@ from ray.serve import metrics
 
 from app import kv_events
 from app.config import AppConfig
-from app.conversations import ConversationRecord, ConversationStore, HistoryMatch
+from app.conversations import ConversationStore, HistoryMatch
 from app.kv_index import KVIndex, SequenceKey
-from app.protocol import Membership, PrefixLookup, ReplicaInfo, RetainedBlocks, Role
+from app.protocol import Membership, PrefixLookup, ReplicaInfo, RetainedBlocks, Role, TurnRecords
 
 logger = logging.getLogger("ray.serve")
 
@@ -80,18 +80,17 @@ class KVIndexServer:
         """Claim a retained sequence: the caller becomes its only reader or releaser (None: taken already)."""
         return self.index.forget_retained(key)
 
-    async def record_retained(self, salt: str, retained: RetainedBlocks) -> None:
-        self.index.record_retained(salt, retained)
-
-    async def record_prefill(self, replica_id: str, hashes: list[bytes]) -> None:
-        self.index.record_prefill(replica_id, hashes)
+    async def record_turn(self, records: TurnRecords) -> None:
+        if records.retained is not None:
+            self.index.record_retained(records.cache_salt, records.retained, list(records.retained_hashes) or None)
+        if records.prefill_hashes:
+            self.index.record_prefill(records.prefill_replica_id, list(records.prefill_hashes))
+        if records.conversation is not None:
+            self.conversations.put(records.conversation, records.session_key)
 
     async def match_conversation(self, chain: list[str], last_assistant: int,
                                  session_key: str | None) -> HistoryMatch:
         return self.conversations.match(chain, last_assistant, session_key)
-
-    async def record_conversation(self, record: ConversationRecord, session_key: str | None) -> None:
-        self.conversations.put(record, session_key)
 
     async def stats(self) -> dict[str, int]:
         return {**self.index.stats(), "conversations": len(self.conversations), "events_applied": self.events_applied}

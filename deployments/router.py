@@ -10,6 +10,8 @@ router replica died (prompt plus the tokens already sent) and records the whole 
 
 import asyncio
 import logging
+import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +22,7 @@ from typing import Any
 from ray import serve
 
 from app.chat import PromptRenderer
-from app.config import TINY_MODEL, AppConfig
+from app.config import TINY_MODEL, AppConfig, Device
 from app.ledger import TurnLedger
 from app.metrics import TurnMetrics, kv_bytes_per_token
 from app.model.tiny import ensure_tiny_model
@@ -40,6 +42,9 @@ class Router:
             ensure_tiny_model(config.model_path())
         if warning := open_api_warning(config.api_keys):
             logger.warning(warning)
+        if config.device == Device.CPU and (nice := os.getpriority(os.PRIO_PROCESS, 0)) > 0:
+            logger.warning("this replica runs at nice %d: on shared cores the serving path then waits behind the "
+                           "engines' compute; start Ray with RAY_worker_niceness=0 (README)", nice)
         # Calls and streamed chunks go straight to the replicas over gRPC (Serve's throughput-optimized
         # transport) rather than through Ray's object store: the payloads are token ids and block
         # metadata, and on this machine each hop to decode took 4 ms instead of 7.
@@ -69,7 +74,7 @@ class Router:
     async def generate(self, request: ClientRequest) -> AsyncIterator[ReplyStart | ReplyChunk]:
         """One request's reply: a ReplyStart once its prompt is computed, then its chunks (without
         block metadata, which stays here)."""
-        body = request.body
+        received, body = time.perf_counter(), request.body
         tenant = cache_scope(request.authorization, body.user, self.config.api_keys,
                              self.config.per_user_salt_tenants)
         rendered = await self._rendered(body, tenant, request.session_id) if isinstance(
@@ -80,8 +85,8 @@ class Router:
         else:
             prompt_ids = rendered.prompt_ids if rendered else await self._in_render_thread(self.renderer.completion,
                                                                                           body)
-        turn = self._turn(body, prompt_ids, tenant, rendered, request.resume)
-        ledger = TurnLedger(turn.request_id)
+        turn = self._turn(body, prompt_ids, tenant, rendered, request.resume, received)
+        ledger, conversation = TurnLedger(turn.request_id), None
         try:
             prepared = await self.loop.prepare(turn, ledger)
             resume = request.resume or Resume((), (), "", prepared.cached_tokens)
@@ -92,13 +97,13 @@ class Router:
                     generated.extend(chunk.token_ids)
                     text.append(chunk.text)
                     yield ReplyChunk(chunk.token_ids, chunk.text, chunk.finish_reason)
-            if rendered is not None:
-                self._record(rendered, generated, "".join(text), prepared.prefill.replica_id)
+            if rendered is not None:  # the turn is recorded with its settlement
+                conversation = self.sessions.finish(rendered, generated, "".join(text), prepared.prefill.replica_id)
         finally:
-            self.loop.close(turn, ledger)
+            self.loop.close(turn, ledger, conversation, rendered.session_key if rendered else None)
 
     def _turn(self, body: GenerationRequest, prompt_ids: list[int], tenant: str, rendered: RenderedTurn | None,
-              resume: Resume | None) -> Turn:
+              resume: Resume | None, received_at: float) -> Turn:
         sampling = body.sampling(DEFAULT_MAX_TOKENS)
         self.renderer.check_fits(prompt_ids, sampling.max_tokens)
         sent = resume.sent_token_ids if resume else ()
@@ -114,7 +119,7 @@ class Router:
                     previous_replica=rendered.previous_replica if rendered else "",
                     prefill_on_decode=body.prefill_on_decode is not False,
                     load_aware=self.config.placement.load_aware if body.load_aware_placement is None
-                    else body.load_aware_placement)
+                    else body.load_aware_placement, received_at=received_at)
 
     async def _rendered(self, body: ChatCompletionRequest, tenant: str, session_id: str | None) -> RenderedTurn:
         messages = body.template_messages()
@@ -135,7 +140,3 @@ class Router:
         shared = await self.loop.ask_index("match_conversation", list(query.chain), query.last_assistant,
                                            query.session_key)
         return shared if shared is not None and (shared.exact or match.record is None) else match
-
-    def _record(self, rendered: RenderedTurn, generated: list[int], text: str, prefill_replica_id: str) -> None:
-        record = self.sessions.finish(rendered, generated, text, prefill_replica_id)
-        self.loop.spawn(self.loop.ask_index("record_conversation", record, rendered.session_key), "conversation")

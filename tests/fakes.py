@@ -71,7 +71,7 @@ class Index(SimpleNamespace):
             return key
 
         super().__init__(lookup=Remote(lambda _: lookup or PrefixLookup(prefill_cached_tokens={"p0": 0})),
-                         take=Remote(take), record_prefill=Remote(), record_retained=Remote(),
+                         take=Remote(take), record_turn=Remote(),
                          membership=Remote(lambda _: members))
 
 

@@ -8,7 +8,7 @@ from ray import serve
 from app.client import chat_turn
 from app.hashing import common_prefix_len
 from app.launch import APP_NAME
-from app.protocol import EngineEndpoint, KVHandoff, RetainedBlocks
+from app.protocol import EngineEndpoint, KVHandoff, RetainedBlocks, TurnRecords
 from app.tenants import cache_salt
 from tests.integration.conftest import (
     SYSTEM_PROMPT,
@@ -161,7 +161,7 @@ def _plant_retained(prompt_ids: list[int], port: int, expires_in_s: float) -> No
     retained = RetainedBlocks(replica_id=engine_status("decode").replica_id, handoff=handoff,
                               token_ids=tuple(prompt_ids), num_prompt_tokens=len(prompt_ids))
     salt = cache_salt("default")
-    serve.get_deployment_handle("KVIndexServer", APP_NAME).record_retained.remote(salt, retained).result()
+    serve.get_deployment_handle("KVIndexServer", APP_NAME).record_turn.remote(TurnRecords(salt, retained)).result()
 
 
 def _fresh_conversation(tag: str) -> list[dict]:
@@ -238,3 +238,17 @@ def test_a_decode_that_starts_reading_late_still_finds_prefill_s_blocks(referenc
     request = DecodeRequest("late-d", prompt, cache_salt("default"), greedy, handoff=result.handoff, retain=False)
     tokens = [t for chunk in decode.generate.remote(request) for t in chunk.token_ids]
     assert tokens == ray.get(reference.generate.remote([list(prompt)], 8))[0]
+
+
+def test_the_serving_path_runs_ahead_of_the_engines_on_shared_cores(client, app_config):
+    """The Serve replicas at nice 0 (RAY_worker_niceness, set where the app starts Ray), their
+    engine processes at engine_nice: the serving path's Python never waits behind a prefill."""
+    import psutil
+
+    from app.tools.faults import _actor_pid, engine_pids, replica_names
+
+    for deployment in ("frontend", "router", "KVIndexServer", "prefill", "decode"):
+        assert psutil.Process(_actor_pid(replica_names(deployment)[0])).nice() == 0, deployment
+    for deployment in ("prefill", "decode"):
+        engines = engine_pids(deployment)
+        assert engines and {psutil.Process(p).nice() for p in engines} == {app_config.engine_nice}, deployment

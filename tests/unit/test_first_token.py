@@ -54,7 +54,8 @@ def test_a_turn_that_ends_with_its_first_token_frees_prefill_blocks_without_deco
     chunks, prepared = _serve(loop, SamplingSettings(max_tokens=1, temperature=0.0))
     assert [c.finish_reason for c in chunks] == ["length"]
     assert decode.generate.calls == [] and decode.release.calls == [prepared.prefill.handoff]
-    assert loop.index.record_prefill.calls == [("p0", prepared.ledger.hashes)]
+    [records] = loop.index.record_turn.calls
+    assert (records.prefill_replica_id, records.prefill_hashes) == ("p0", tuple(prepared.ledger.hashes))
 
 
 @pytest.mark.parametrize("sampling, config", [

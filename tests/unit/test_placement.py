@@ -164,13 +164,13 @@ def test_engines_measure_their_costs_from_vllm_s_own_stats():
     assert tracker.report.compute_s_per_token > 0  # a step keeps the measured costs
 
 
-def test_an_idle_engine_re_times_a_stale_compute_cost_and_a_request_during_the_probe_voids_it():
+def test_an_idle_engine_re_times_a_stale_compute_cost_a_request_during_the_probe_voids_it_and_the_least_stands():
     import time
 
     from app.engine import Engine, LoadTracker
 
     engine = object.__new__(Engine)  # the refresh logic alone: no vLLM engine behind it
-    engine.tracker, engine.in_flight, engine.quiet_since = LoadTracker(1024), 0, time.monotonic() - 5
+    engine.tracker, engine.in_flight, engine.quiet_since = LoadTracker(1024, probe_window=3), 0, time.monotonic() - 5
     engine.tracker.observe_probe(160e-6)  # timed while the other engine started: four times too high
     arrivals: list[int] = []
 
@@ -191,7 +191,12 @@ def test_an_idle_engine_re_times_a_stale_compute_cost_and_a_request_during_the_p
     arrivals.append(1)
     assert not refresh() and engine.tracker.report.compute_s_per_token == 160e-6  # a request joined the probe
     engine.in_flight = 0
-    assert refresh() and abs(engine.tracker.report.compute_s_per_token - 100e-6) < 1e-12  # weighs half
+    assert refresh() and engine.tracker.report.compute_s_per_token == 40e-6  # the least probe stands
+    for contended in (300e-6, 200e-6):  # timed while other processes loaded the machine
+        engine.tracker.observe_probe(contended)
+    assert engine.tracker.report.compute_s_per_token == 40e-6
+    engine.tracker.observe_probe(90e-6)  # the 40 us probe has left the window of three
+    assert engine.tracker.report.compute_s_per_token == 90e-6
 
 
 def test_a_side_no_turn_has_checked_for_a_while_takes_the_next_turn_that_is_close_enough():

@@ -74,8 +74,10 @@ def test_the_turn_loop_sends_a_short_append_to_the_retaining_replica_and_frees_t
     assert prepared.cached_tokens == 288 and prepared.log_entry["first_token_from"] == "decode"
     assert loop.index.take.calls == [("d0", "r1")], "the turn owns the sequence it extends"
     assert loop.groups[Role.PREFILL].release.calls == [prepared.decision.retained.handoff], "the extended sequence"
-    assert loop.index.record_retained.calls == [("salt", REPLY[-1].retained)]
-    assert loop.index.record_prefill.calls == [], "no prefill replica computed anything"
+    [records] = loop.index.record_turn.calls
+    assert records.retained == REPLY[-1].retained and records.cache_salt == "salt"
+    assert records.retained_hashes == tuple(loop.own_retained.retained_hashes("salt", records.retained))
+    assert records.prefill_hashes == (), "no prefill replica computed anything"
 
 
 def test_a_request_may_keep_its_prompt_on_prefill():
