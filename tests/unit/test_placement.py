@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from dataclasses import replace
 
 from app.placement import Calibration, PlacementPolicy, decode_allowed, estimate
 from app.protocol import (
@@ -214,3 +215,15 @@ def test_a_side_no_turn_has_checked_for_a_while_takes_the_next_turn_that_is_clos
     assert calibration.due(sides, POLICY)
     far = Estimate(20.0, 50.0, 0, 0, 0, 0.0, 60.0, 60.0, 3.0)
     assert not calibration.due(far, POLICY)  # more than twice as slow: not worth a turn
+
+
+def test_a_burst_placed_between_heartbeats_sees_the_streams_this_router_opened_on_decode():
+    from app.membership import LiveEngines
+
+    engines = LiveEngines(suspect_s=10.0)
+    heartbeat = LoadReport(num_running_reqs=2, compute_s_per_token=1e-4)
+    engines.update(Membership(("p0",), ("d0",), loads={"d0": heartbeat}, settled=True))
+    assert engines.load("d0") == heartbeat
+    engines.streams["d0"] += 40  # turns placed since that heartbeat
+    assert engines.load("d0") == replace(heartbeat, num_running_reqs=40)
+    assert engines.load("p0") == LoadReport()
