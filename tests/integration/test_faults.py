@@ -132,7 +132,9 @@ def test_a_router_replica_killed_mid_reply_loses_no_reply_and_no_conversation(tw
             sequence = previous.prompt_ids + previous.output_ids
             shared = common_prefix_len(current.prompt_ids, sequence)
             assert shared == len(sequence), f"turn {k} kept {shared} of {len(sequence)} tokens (append-only)"
-            assert current.cached_tokens >= len(sequence) // 32 * 32 - 32, f"turn {k} reused its history"
+            assert current.cached_tokens >= len(sequence) // 32 * 32 - 32, (
+                f"turn {k} reused its history: {_decision(base_url, current.request_id)}, "
+                f"decode {faults.engine_status('decode')}")
     finally:
         faults.wait_whole(base_url, gone=(hit,))
 
@@ -160,6 +162,16 @@ def test_retained_sequences_yield_the_decode_pool_to_new_requests(two_routers_sm
     assert trimmed_in_s < 3.0
     assert max(health.result()) < 1.0, "/health never queues behind streams"
     assert elapsed_s < 60, f"turns waited on retained blocks ({elapsed_s:.0f} s)"
+
+
+def _decision(base_url: str, request_id: str) -> dict | None:
+    """A turn's decision-log entry, from whichever router replica took it (Serve picks one a call)."""
+    for _ in range(10):
+        entries = httpx.get(f"{base_url}/admin/decisions", params={"n": 100}, timeout=10,
+                            headers={"Authorization": "Bearer unused"}).json()
+        if found := next((e for e in entries if e["request_id"] == request_id), None):
+            return found
+    return None
 
 
 def _timed_health(base_url: str) -> float:
