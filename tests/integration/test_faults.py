@@ -118,7 +118,10 @@ def test_a_router_replica_killed_mid_reply_loses_no_reply_and_no_conversation(tw
     messages = _next(messages, turns[0], "Next.")
     others = [_messages(f"router stream {i}") for i in range(3)]
     with ThreadPoolExecutor(4) as pool:
-        streams = [pool.submit(chat_turn, client, m, long_reply) for m in (messages, *others)]
+        # The other three keep nothing for a next turn: four retained replies would pass decode's
+        # retained share of this small pool, and it would release the oldest, which may be this one.
+        streams = [pool.submit(chat_turn, client, messages, long_reply),
+                   *(pool.submit(chat_turn, client, m, long_reply, reverse_pull=False) for m in others)]
         faults.wait_until(lambda: faults.engine_status("decode").num_running_reqs >= 4, 60.0, poll_s=0.05)
         hit = faults.kill_replica("router")
         replies = [s.result() for s in streams]
