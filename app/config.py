@@ -79,6 +79,9 @@ class Limits:
     (recompute instead of pull; the owner's TTL frees the blocks). A dead index answers at once
     (Serve knows it is unavailable); this bounds a slow one: on 2 cores with engines starting, the
     index's calls took over 1 s."""
+    index_wait_at_start_s: float = 30.0
+    """A new router replica waits up to this long for the KV index's first answer before it takes
+    requests (see TurnLoop.wait_for_index); past it, it starts without (the index may be restarting)."""
     prefill_timeout_s: float = 120.0
     """Prefill (or a pull plus prefill) of one turn; past it the client gets 504."""
     first_chunk_timeout_s: float = 120.0
@@ -120,9 +123,9 @@ class Limits:
         positive = {name: getattr(self, name) for name in (
             "router_max_ongoing_requests", "engine_max_ongoing_requests", "index_max_ongoing_requests",
             "router_max_queued_requests", "engine_max_queued_requests", "index_max_queued_requests",
-            "bookkeeping_timeout_s", "prefill_timeout_s", "first_chunk_timeout_s", "stream_idle_timeout_s",
-            "max_request_bytes", "max_messages", "heartbeat_interval_s", "health_check_period_s", "drain_timeout_s",
-            "retained_trim_interval_s")}
+            "bookkeeping_timeout_s", "index_wait_at_start_s", "prefill_timeout_s", "first_chunk_timeout_s",
+            "stream_idle_timeout_s", "max_request_bytes", "max_messages", "heartbeat_interval_s",
+            "health_check_period_s", "drain_timeout_s", "retained_trim_interval_s")}
         failed = [f"limits.{name} must be > 0" for name, value in positive.items() if value <= 0]
         if self.registration_ttl_s < 2 * self.heartbeat_interval_s:
             failed.append("limits.registration_ttl_s must be at least twice limits.heartbeat_interval_s")

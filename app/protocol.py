@@ -294,6 +294,8 @@ class Reason(str, enum.Enum):
     """Pulled although prefill should hold most of it: its pool evicts faster than the horizon."""
     PULL_DISABLED = "pull_disabled"
     NOTHING_RETAINED = "nothing_retained"
+    INDEX_UNREACHABLE = "index_unreachable"
+    """The KV index did not answer the lookup in time: nothing retained is known, so the turn recomputes."""
     BELOW_THRESHOLD = "below_threshold"
     EXPIRES_TOO_SOON = "expires_too_soon"
     PULL_FAILED = "pull_failed"

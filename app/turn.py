@@ -171,6 +171,17 @@ class TurnLoop:
             self.metrics.flush()
             await asyncio.sleep(self.limits.heartbeat_interval_s)
 
+    async def wait_for_index(self, timeout_s: float) -> None:
+        """The first membership, waited for: a new router replica's first calls to the index also
+        resolve where its replica is (up to 4 s on 2 cores), and a turn planned before the answer
+        finds neither its conversation's record nor its retained KV, so it recomputes. Past
+        `timeout_s` the replica starts anyway (the index may be restarting)."""
+        try:
+            self.engines.update(await asyncio.wait_for(self.index.membership.remote(), timeout_s))
+        except Exception as exc:  # noqa: BLE001 - a router without the index still serves (degraded reuse)
+            logger.warning(json.dumps({"event": "index_unanswered_at_start", "waited_s": timeout_s,
+                                       "error": f"{type(exc).__name__}: {exc}"[:300]}))
+
     async def refresh_membership(self) -> None:
         if (members := await self.ask_index("membership")) is not None:
             self.engines.update(members)
@@ -317,8 +328,11 @@ class TurnLoop:
         if near is not None and near.action == Action.PREFILL_ON_DECODE:
             self._claim(ledger, near.retained, confirmed=False)
             return near
-        lookup = _live_only(await self.ask_index("lookup", hashes) or PrefixLookup(), prefill_live, decode_live)
+        answer = await self.ask_index("lookup", hashes)
+        lookup = _live_only(answer or PrefixLookup(), prefill_live, decode_live)
         on_decode, decision = self._on_decode(turn, lookup, policy, decode_live), self._choose(turn, lookup, policy)
+        if answer is None and decision.reason == Reason.NOTHING_RETAINED:
+            decision = replace(decision, reason=Reason.INDEX_UNREACHABLE)
         if decision.action in (Action.PULL, Action.RECOMPUTE):
             decision = self._place(turn, decision, on_decode)
         elif on_decode is not None and decision.reason == Reason.NO_PREFILL_ALIVE:

@@ -57,10 +57,12 @@ class DecodeServer(EngineReplica):
                 return
             retained = self.kept.pop(request_id)
             timeout = self.config.limits.bookkeeping_timeout_s
-            if await asyncio.wait_for(self.index.take.remote((self.replica_id, request_id)), timeout) is None:
-                continue  # a turn owns it now (it may be pulling it): not ours to release
-            await asyncio.wait_for(self.prefill.release.remote(retained.handoff), timeout)
             over -= len(retained.handoff.block_ids[0])
+            if await asyncio.wait_for(self.index.take.remote((self.replica_id, request_id)), timeout) is None:
+                # A turn owns it (it pulls or releases it) or released it already: it leaves the pool either
+                # way, so it stops counting against the budget (counted, it cost the next one its KV).
+                continue
+            await asyncio.wait_for(self.prefill.release.remote(retained.handoff), timeout)
             logger.info("released retained sequence %s under pool pressure", request_id)
             if load.num_waiting_reqs:
                 return  # one per tick while requests wait; the next tick sees the freed blocks

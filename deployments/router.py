@@ -37,7 +37,7 @@ logger = logging.getLogger("ray.serve")
 
 @serve.deployment
 class Router:
-    def __init__(self, config: AppConfig, index, prefill, decode) -> None:
+    async def __init__(self, config: AppConfig, index, prefill, decode) -> None:
         if config.model == TINY_MODEL:
             ensure_tiny_model(config.model_path())
         if warning := open_api_warning(config.api_keys):
@@ -58,6 +58,7 @@ class Router:
                                      config.max_conversations)
         metrics = TurnMetrics(kv_bytes_per_token(config.model_path()))
         self.loop = TurnLoop(config, index, prefill, decode, metrics)
+        await self.loop.wait_for_index(config.limits.index_wait_at_start_s)
         self.loop.spawn(self.loop.follow_membership(), "membership")
 
     async def health(self) -> dict[str, Any]:

@@ -3,15 +3,19 @@
 
 import asyncio
 import time
+from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
 
+from app.config import AppConfig
 from app.membership import LiveEngines
-from app.protocol import Action, Membership, PrefillResult, Reason, ReplyChunk, Role, SamplingSettings
+from app.protocol import Action, LoadReport, Membership, PrefillResult, Reason, ReplyChunk, Role, SamplingSettings
 from app.reply import NoEngineAlive
 from app.turn import Turn
-from tests.factories import handoff
-from tests.fakes import DecodeGroup, run_turn, turn_loop
+from deployments.decode import DecodeServer
+from tests.factories import BLOCK, handoff, retained
+from tests.fakes import ONE_OF_EACH, DecodeGroup, Remote, run_turn, turn_loop
 
 PROMPT = tuple(range(100))
 REPLY = [ReplyChunk(token_ids=(i,), text=f" {i}") for i in (8, 9, 10)] + [
@@ -149,3 +153,47 @@ def test_a_call_waiting_on_a_replica_that_leaves_the_live_set_is_abandoned():
         assert await unless_gone(asyncio.sleep(0.02, "answer"), lambda: False, poll_s=0.01) == "answer"
 
     asyncio.run(scenario())
+
+
+def test_a_turn_planned_without_the_index_s_answer_says_so_in_its_decision():
+    loop = turn_loop(PREFILLED, DecodeGroup(REPLY))
+    loop.index.lookup = Remote(lambda _: TimeoutError())
+    _, prepared = asyncio.run(run_turn(loop, _turn()))
+    assert prepared.decision.action == Action.RECOMPUTE and prepared.decision.reason == Reason.INDEX_UNREACHABLE
+
+
+def test_a_new_router_takes_requests_once_the_index_answered_or_its_wait_ran_out():
+    """A new replica's first index call also resolves where the index runs (up to 4 s on 2 cores):
+    turns planned before its answer would find no record and recompute everything."""
+    loop = turn_loop(PREFILLED, DecodeGroup(REPLY), members=Membership((), ()))
+    loop.engines.update(Membership((), ()))
+    loop.index.membership = Remote(lambda _: ONE_OF_EACH)
+    asyncio.run(loop.wait_for_index(1.0))
+    assert loop.engines.live(Role.DECODE) == ["d0"]
+    loop.index.membership = SimpleNamespace(remote=lambda: asyncio.sleep(10))
+    started = time.perf_counter()
+    asyncio.run(loop.wait_for_index(0.05))
+    assert time.perf_counter() - started < 1, "an index that does not answer delays the start, never blocks it"
+
+
+def _decode_replica(kept_ids: list[str], held_ids: set[str], pool_blocks: int = 200) -> SimpleNamespace:
+    """DecodeServer's trimming state: sequences of 33 blocks (`held_ids` still in the index)."""
+    replica = object.__new__(DecodeServer.func_or_class)
+    replica.config, replica.replica_id = AppConfig(), "d0"
+    replica.engine = SimpleNamespace(load=LoadReport(), pool_blocks=pool_blocks, shutdown=lambda: None)
+    replica.kept = OrderedDict((r, retained(list(range(33 * BLOCK)), time.time() + 60, request_id=r)) for r in kept_ids)
+    replica.index = SimpleNamespace(take=Remote(lambda key: key if key[1] in held_ids else None))
+    replica.prefill = SimpleNamespace(release=Remote())
+    return replica
+
+
+def test_decode_trims_what_it_retains_to_its_pool_share_counting_only_what_nobody_took():
+    """Four sequences of 33 blocks against a budget of 100: one is released, the oldest. A sequence
+    a turn took already (pulled, or released by the router) leaves the pool anyway: counted, the
+    next one lost its KV too."""
+    over = _decode_replica(["a", "b", "c", "d"], held_ids={"a", "b", "c", "d"})
+    asyncio.run(over._trim())
+    assert [h.request_id for h in over.prefill.release.calls] == ["a"] and list(over.kept) == ["b", "c", "d"]
+    taken_first = _decode_replica(["a", "b", "c", "d"], held_ids={"b", "c", "d"})
+    asyncio.run(taken_first._trim())
+    assert taken_first.prefill.release.calls == [] and list(taken_first.kept) == ["b", "c", "d"]
