@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from logging.handlers import MemoryHandler
 
 import ray
 from ray import serve
@@ -29,6 +30,19 @@ class GenerationFailed(RuntimeError):
     pass
 
 
+def _serve_log_targets() -> dict[MemoryHandler, logging.Handler]:
+    return {h: h.target for h in logger.handlers if isinstance(h, MemoryHandler) and h.target is not None}
+
+
+def _reattach(targets: dict[MemoryHandler, logging.Handler]) -> None:
+    """Starting an engine applies logging.config.dictConfig (vLLM's and NIXL's setup), which closes
+    every handler in the process: Serve's replica log buffer lost its file, and nothing the replica
+    logged after its engine started was written. The file handler reopens on its next record."""
+    for handler, target in targets.items():
+        if handler.target is None:
+            handler.setTarget(target)
+
+
 class EngineReplica:
     """Base of the prefill and decode deployments: one engine, known to the KV index while it lives."""
 
@@ -36,6 +50,7 @@ class EngineReplica:
 
     async def __init__(self, config: AppConfig, index) -> None:
         check_supported()  # the private vLLM/NIXL/Ray hooks this app relies on, before anything starts
+        log_targets = _serve_log_targets()
         if config.model == TINY_MODEL:
             ensure_tiny_model(config.model_path())
         context = serve.get_replica_context()
@@ -52,6 +67,7 @@ class EngineReplica:
         if config.kv_events:
             local, public = self.engine.identity.engine_events_endpoint, self.engine.identity.events_endpoint
             self._events = loop.create_task(kv_events.forward(local, public))
+        _reattach(log_targets)
         await index.register.remote(self.beat())
         self._heartbeat = loop.create_task(self._heartbeat_forever())
         self._cost_refresh = loop.create_task(self._refresh_cost_forever())

@@ -1,6 +1,7 @@
 """The turn loop end to end: real Serve app, real vLLM engines, real NIXL, prefill cache off."""
 
 import time
+from pathlib import Path
 
 import pytest
 from ray import serve
@@ -252,3 +253,17 @@ def test_the_serving_path_runs_ahead_of_the_engines_on_shared_cores(client, app_
     for deployment in ("prefill", "decode"):
         engines = engine_pids(deployment)
         assert engines and {psutil.Process(p).nice() for p in engines} == {app_config.engine_nice}, deployment
+
+
+def test_each_engine_replica_still_writes_its_serve_log_after_its_engine_started(client):
+    """vLLM and NIXL reconfigure logging when an engine starts, which closed Serve's replica log:
+    decode's and prefill's own lines (pool trimming, failures) went nowhere."""
+    from ray._private.worker import _global_node
+
+    from app.tools.faults import replica_names
+
+    logs = Path(_global_node.get_logs_dir_path()) / "serve"
+    for deployment in ("prefill", "decode"):
+        replica_id = replica_names(deployment)[0].rsplit("#", 1)[-1]
+        text = "".join(p.read_text() for p in logs.glob(f"replica_*_{deployment}_{replica_id}.log*"))
+        assert "Finished initializing replica" in text, deployment

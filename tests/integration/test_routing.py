@@ -11,6 +11,7 @@ from ray import serve
 from app.config import EngineGroupConfig
 from app.hashing import common_prefix_len
 from app.launch import APP_NAME, replace_app
+from app.tools import faults
 from tests.integration.conftest import (
     SYSTEM_PROMPT,
     USER_TURNS,
@@ -32,6 +33,9 @@ def two_prefill_replicas(base_url, app_config):
     # so the second test sees the pull compose with routing rather than the threshold's choice.
     replace_app(replace(app_config, prefill=EngineGroupConfig(replicas=2, cpus_per_replica=0.5),
                         decode=EngineGroupConfig(replicas=1, cpus_per_replica=0.5), recompute_threshold_tokens=0))
+    # Serve calls the app ready when every replica started; the router learns of a prefill replica
+    # at its next membership refresh (up to heartbeat_interval_s later). Before, it places on one.
+    faults.wait_whole(base_url)
     return base_url
 
 
