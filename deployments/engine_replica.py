@@ -49,8 +49,8 @@ class EngineReplica:
     role: Role
 
     async def __init__(self, config: AppConfig, index) -> None:
+        log_targets = _serve_log_targets()  # before anything imports NIXL or configures vLLM
         check_supported()  # the private vLLM/NIXL/Ray hooks this app relies on, before anything starts
-        log_targets = _serve_log_targets()
         if config.model == TINY_MODEL:
             ensure_tiny_model(config.model_path())
         context = serve.get_replica_context()
