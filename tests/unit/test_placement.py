@@ -200,7 +200,7 @@ def test_an_idle_engine_re_times_a_stale_compute_cost_a_request_during_the_probe
     assert engine.tracker.report.compute_s_per_token == 90e-6
 
 
-def test_a_side_no_turn_has_checked_for_a_while_takes_the_next_turn_that_is_close_enough():
+def test_a_side_no_turn_has_checked_for_a_while_takes_the_next_turn_that_is_close_enough_and_only_that_one():
     import time
 
     from app.placement import Calibration
@@ -208,13 +208,15 @@ def test_a_side_no_turn_has_checked_for_a_while_takes_the_next_turn_that_is_clos
 
     calibration = Calibration()
     sides = Estimate(20.0, 30.0, 0, 0, 0, 0.0, 60.0, 60.0, 3.0)  # prefill sooner by its learned offset
-    assert not calibration.due(sides, POLICY)  # decode's fit has learned nothing: nothing to check
+    assert not calibration.explore(sides, POLICY)  # decode's fit has learned nothing: nothing to check
     calibration.observed_at["decode"] = time.monotonic()
-    assert not calibration.due(sides, POLICY)  # checked just now
+    assert not calibration.explore(sides, POLICY)  # checked just now
     calibration.observed_at["decode"] -= POLICY.explore_after_s + 1
-    assert calibration.due(sides, POLICY)
     far = Estimate(20.0, 50.0, 0, 0, 0, 0.0, 60.0, 60.0, 3.0)
-    assert not calibration.due(far, POLICY)  # more than twice as slow: not worth a turn
+    assert not calibration.explore(far, POLICY)  # more than twice as slow: not worth a turn
+    assert calibration.explore(sides, POLICY)
+    burst = [calibration.explore(sides, POLICY) for _ in range(63)]  # placed before the first one's time is back
+    assert not any(burst), "one turn explores, not the whole burst"
 
 
 def test_a_burst_placed_between_heartbeats_sees_the_streams_this_router_opened_on_decode():
