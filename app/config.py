@@ -113,6 +113,10 @@ class Limits:
     retained_pool_share: float = 0.5
     """Decode keeps finished sequences for the next turn in at most this share of its KV pool; past
     it, or when requests wait for blocks, the oldest are released (they are a cache, not a reservation)."""
+    retained_yield_usage: float = 0.9
+    """Requests waiting count as waiting for blocks when vLLM's KV usage is at least this: decode then
+    releases one retained sequence per trim tick. Below it they wait for the step's token budget,
+    and releasing would only cost later turns their KV."""
 
     @property
     def router_holds(self) -> int:
@@ -131,6 +135,8 @@ class Limits:
             failed.append("limits.registration_ttl_s must be at least twice limits.heartbeat_interval_s")
         if not 0 < self.retained_pool_share <= 1:
             failed.append("limits.retained_pool_share must lie in (0, 1]")
+        if not 0 < self.retained_yield_usage <= 1:
+            failed.append("limits.retained_yield_usage must lie in (0, 1]")
         if failed:
             raise ValueError("invalid config: " + "; ".join(failed))
 

@@ -3,7 +3,8 @@ from its prefix cache), streams tokens, and ends with the block metadata of the 
 for the next turn. router ──DecodeRequest──▶ generate() ──ReplyChunk…──▶ router.
 
 Kept sequences are a cache, not a reservation: past `limits.retained_pool_share` of the pool, or
-while requests wait for blocks, the oldest are taken out of the index and released.
+while requests wait for blocks (waiting, with the pool at least `limits.retained_yield_usage`
+full), the oldest are taken out of the index and released.
 """
 
 import asyncio
@@ -49,14 +50,17 @@ class DecodeServer(EngineReplica):
                 logger.exception("trimming retained sequences failed")
 
     async def _trim(self) -> None:
-        load, pool = self.engine.load, self.engine.pool_blocks
-        budget = int(pool * self.config.limits.retained_pool_share)
+        load, pool, limits = self.engine.load, self.engine.pool_blocks, self.config.limits
+        budget = int(pool * limits.retained_pool_share)
         over = self.kept_blocks(time.time()) - budget
+        # Requests also wait for the step's token budget, with the pool far from full: releasing then
+        # only cost later turns their KV (90 releases a sweep at 64 conversations, at most 22 % usage).
+        waiting_for_blocks = load.num_waiting_reqs > 0 and load.kv_cache_usage >= limits.retained_yield_usage
         for request_id in list(self.kept):
-            if over <= 0 and load.num_waiting_reqs == 0:
+            if over <= 0 and not waiting_for_blocks:
                 return
             retained = self.kept.pop(request_id)
-            timeout = self.config.limits.bookkeeping_timeout_s
+            timeout = limits.bookkeeping_timeout_s
             over -= len(retained.handoff.block_ids[0])
             if await asyncio.wait_for(self.index.take.remote((self.replica_id, request_id)), timeout) is None:
                 # A turn owns it (it pulls or releases it) or released it already: it leaves the pool either
@@ -64,5 +68,5 @@ class DecodeServer(EngineReplica):
                 continue
             await asyncio.wait_for(self.prefill.release.remote(retained.handoff), timeout)
             logger.info("released retained sequence %s under pool pressure", request_id)
-            if load.num_waiting_reqs:
+            if waiting_for_blocks:
                 return  # one per tick while requests wait; the next tick sees the freed blocks

@@ -176,11 +176,12 @@ def test_a_new_router_takes_requests_once_the_index_answered_or_its_wait_ran_out
     assert time.perf_counter() - started < 1, "an index that does not answer delays the start, never blocks it"
 
 
-def _decode_replica(kept_ids: list[str], held_ids: set[str], pool_blocks: int = 200) -> SimpleNamespace:
+def _decode_replica(kept_ids: list[str], held_ids: set[str], pool_blocks: int = 200,
+                    load: LoadReport | None = None) -> SimpleNamespace:
     """DecodeServer's trimming state: sequences of 33 blocks (`held_ids` still in the index)."""
     replica = object.__new__(DecodeServer.func_or_class)
     replica.config, replica.replica_id = AppConfig(), "d0"
-    replica.engine = SimpleNamespace(load=LoadReport(), pool_blocks=pool_blocks, shutdown=lambda: None)
+    replica.engine = SimpleNamespace(load=load or LoadReport(), pool_blocks=pool_blocks, shutdown=lambda: None)
     replica.kept = OrderedDict((r, retained(list(range(33 * BLOCK)), time.time() + 60, request_id=r)) for r in kept_ids)
     replica.index = SimpleNamespace(take=Remote(lambda key: key if key[1] in held_ids else None))
     replica.prefill = SimpleNamespace(release=Remote())
@@ -197,3 +198,13 @@ def test_decode_trims_what_it_retains_to_its_pool_share_counting_only_what_nobod
     taken_first = _decode_replica(["a", "b", "c", "d"], held_ids={"b", "c", "d"})
     asyncio.run(taken_first._trim())
     assert taken_first.prefill.release.calls == [] and list(taken_first.kept) == ["b", "c", "d"]
+
+
+def test_decode_releases_for_waiting_requests_only_when_they_wait_for_blocks():
+    """Under its pool share, decode releases one sequence a tick while requests wait with the pool
+    nearly full; requests waiting for the step's token budget cost no sequence its KV."""
+    for usage, released in ((0.2, []), (0.95, ["a"])):
+        replica = _decode_replica(["a", "b"], held_ids={"a", "b"}, pool_blocks=1000,
+                                  load=LoadReport(num_waiting_reqs=3, kv_cache_usage=usage))
+        asyncio.run(replica._trim())
+        assert [h.request_id for h in replica.prefill.release.calls] == released, usage
