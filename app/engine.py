@@ -7,6 +7,7 @@ into vLLM's kv_transfer_params (and back). Prefill and decode replicas each hold
 
 import asyncio
 import os
+import random
 import socket
 import tempfile
 import time
@@ -130,10 +131,32 @@ class EngineIdentity:
         return f"ipc://{tempfile.gettempdir()}/kv-loop-events-{self.engine_id}"
 
 
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
 def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A free port outside the OS's ephemeral range. A port from bind(0) is free only until the
+    engine binds it, seconds later, and any process's bind(0) may take it first: a decode worker
+    once took prefill's side-channel port, and vLLM waited for its handshake listener forever."""
+    low, high = _ephemeral_range()  # and above Ray's worker ports (10002-19999 by default)
+    candidates = range(20_000, low) if low > 21_000 else range(high + 1, 65_536)
+    for port in random.sample(candidates, min(len(candidates), 500)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port outside the ephemeral range on {host}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open(EPHEMERAL_PORTS) as ports:
+            low, high = map(int, ports.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32_768, 60_999  # Linux's default
 
 
 def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> EngineIdentity:

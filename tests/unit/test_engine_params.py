@@ -101,3 +101,15 @@ def test_a_request_waiting_on_a_dead_engine_fails_at_once_and_a_cancelled_one_ca
 
     assert asyncio.run(dies()) == ["first"]
     assert asyncio.run(cancelled_by_caller()) == [True]
+
+
+def test_engine_ports_lie_outside_the_ephemeral_range_so_no_other_bind_takes_them_first():
+    import socket
+
+    from app.engine import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(not low <= p <= high for p in ports)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))  # free when returned
