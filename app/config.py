@@ -81,7 +81,7 @@ class Limits:
     index's calls took over 1 s."""
     index_wait_at_start_s: float = 30.0
     """A new router replica waits up to this long for the KV index's first answer before it takes
-    requests (see TurnLoop.wait_for_index); past it, it starts without (the index may be restarting)."""
+    requests (see TurnLoop.refresh_membership); past it, it starts without (the index may be restarting)."""
     prefill_timeout_s: float = 120.0
     """Prefill (or a pull plus prefill) of one turn; past it the client gets 504."""
     first_chunk_timeout_s: float = 120.0

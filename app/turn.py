@@ -150,13 +150,13 @@ class TurnLoop:
         return self.journal.decisions
 
     # ---- the KV index: bounded calls, never fatal to a turn ----------------------------------------
-    async def ask_index(self, method: str, *args: Any) -> Any:
+    async def ask_index(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """The index's answer, or None when it is unreachable or slow (it is being restarted)."""
-        return await self._bookkeep(getattr(self.index, method).remote(*args), f"index.{method}")
+        return await self._bookkeep(getattr(self.index, method).remote(*args), f"index.{method}", timeout_s)
 
-    async def _bookkeep(self, call: Awaitable, what: str) -> Any:
+    async def _bookkeep(self, call: Awaitable, what: str, timeout_s: float | None = None) -> Any:
         try:
-            return await asyncio.wait_for(call, self.limits.bookkeeping_timeout_s)
+            return await asyncio.wait_for(call, timeout_s or self.limits.bookkeeping_timeout_s)
         except Exception as exc:  # noqa: BLE001 - bookkeeping never decides whether the user gets a reply
             logger.warning(json.dumps({"event": "bookkeeping_failed", "call": what,
                                        "error": f"{type(exc).__name__}: {exc}"[:300]}))
@@ -171,19 +171,11 @@ class TurnLoop:
             self.metrics.flush()
             await asyncio.sleep(self.limits.heartbeat_interval_s)
 
-    async def wait_for_index(self, timeout_s: float) -> None:
-        """The first membership, waited for: a new router replica's first calls to the index also
-        resolve where its replica is (up to 4 s on 2 cores), and a turn planned before the answer
-        finds neither its conversation's record nor its retained KV, so it recomputes. Past
-        `timeout_s` the replica starts anyway (the index may be restarting)."""
-        try:
-            self.engines.update(await asyncio.wait_for(self.index.membership.remote(), timeout_s))
-        except Exception as exc:  # noqa: BLE001 - a router without the index still serves (degraded reuse)
-            logger.warning(json.dumps({"event": "index_unanswered_at_start", "waited_s": timeout_s,
-                                       "error": f"{type(exc).__name__}: {exc}"[:300]}))
-
-    async def refresh_membership(self) -> None:
-        if (members := await self.ask_index("membership")) is not None:
+    async def refresh_membership(self, timeout_s: float | None = None) -> None:
+        """`timeout_s`: longer than a bookkeeping call's for a new router replica's first ask, whose
+        call also resolves where the index runs (up to 4 s on 2 cores): a turn planned before the
+        answer finds neither its conversation's record nor its retained KV, so it recomputes."""
+        if (members := await self.ask_index("membership", timeout_s=timeout_s)) is not None:
             self.engines.update(members)
 
     def spawn(self, coro: Awaitable, what: str) -> None:

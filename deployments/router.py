@@ -58,7 +58,8 @@ class Router:
                                      config.max_conversations)
         metrics = TurnMetrics(kv_bytes_per_token(config.model_path()))
         self.loop = TurnLoop(config, index, prefill, decode, metrics)
-        await self.loop.wait_for_index(config.limits.index_wait_at_start_s)
+        # Take requests once the index answered (or the wait ran out: the index may be restarting).
+        await self.loop.refresh_membership(config.limits.index_wait_at_start_s)
         self.loop.spawn(self.loop.follow_membership(), "membership")
 
     async def health(self) -> dict[str, Any]:

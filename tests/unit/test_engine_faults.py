@@ -168,11 +168,11 @@ def test_a_new_router_takes_requests_once_the_index_answered_or_its_wait_ran_out
     loop = turn_loop(PREFILLED, DecodeGroup(REPLY), members=Membership((), ()))
     loop.engines.update(Membership((), ()))
     loop.index.membership = Remote(lambda _: ONE_OF_EACH)
-    asyncio.run(loop.wait_for_index(1.0))
+    asyncio.run(loop.refresh_membership(1.0))
     assert loop.engines.live(Role.DECODE) == ["d0"]
     loop.index.membership = SimpleNamespace(remote=lambda: asyncio.sleep(10))
     started = time.perf_counter()
-    asyncio.run(loop.wait_for_index(0.05))
+    asyncio.run(loop.refresh_membership(0.05))
     assert time.perf_counter() - started < 1, "an index that does not answer delays the start, never blocks it"
 
 
