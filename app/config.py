@@ -47,6 +47,11 @@ class EngineGroupConfig:
     """Share of GPU memory vLLM may take (GPU only)."""
     num_gpu_blocks_override: int = 0
     """Force the KV pool to this many blocks (0: let vLLM size it); small pools create cache loss."""
+    max_batched_tokens: int = 2048
+    """Tokens one engine step computes at most (vLLM's max_num_batched_tokens); longer prompts are
+    chunked. A step's time grows with it, and every request in the engine waits for the step in
+    flight: on decode that is each stream's next token and each short append's first (2,048 prompt
+    tokens took about 200 ms on one core here). vLLM's CPU default for its API server."""
 
 
 @dataclass(frozen=True)
@@ -314,7 +319,10 @@ class AppConfig:
     dtype: str = "auto"
     """Weights and KV dtype; "auto" is float32 for the embedded model (vLLM's CPU default would be bf16)."""
     prefill: EngineGroupConfig = EngineGroupConfig(prefix_caching=True)
-    decode: EngineGroupConfig = EngineGroupConfig(prefix_caching=True)
+    decode: EngineGroupConfig = EngineGroupConfig(prefix_caching=True, max_batched_tokens=512)
+    """Decode's steps are a quarter of prefill's: a first turn placed on decode is computed in
+    chunks of 512 tokens, so a short append behind it waits about 50 ms on one core instead of 200
+    (at 64 conversations most later turns are such appends; docs/measurements.md)."""
     reverse_pull: bool = True
     """Pull the previous turn's KV back from decode; off means prefill always recomputes history."""
     recompute_threshold_tokens: int = 256
@@ -341,8 +349,8 @@ class AppConfig:
     conversation may run whole there (its prefix cache holds the history: no prefill hop, no KV
     transfer); with load-aware placement a first turn this short may too, when decode is estimated
     to answer sooner. Under the fixed rule (placement.load_aware off) such an append always runs on
-    decode. 0: every turn goes through prefill. 2048: one CPU engine step's worth of tokens; on 2
-    cores 900-token appends gained under the fixed rule (docs/measurements.md)."""
+    decode. 0: every turn goes through prefill. 2048: four of decode's steps on CPU; on 2 cores
+    900-token appends gained under the fixed rule (docs/measurements.md)."""
     placement: Placement = Placement()
     kv_events: bool = True
     """Engines publish vLLM KV cache events; the KV index subscribes (what each replica holds)."""
@@ -359,10 +367,6 @@ class AppConfig:
     """Sequences one engine's scheduler runs at once (vLLM's max_num_seqs); the rest wait in its
     queue. Every conversation's reply streams from decode: this bounds the streams per decode
     engine, so at least the conversations in flight per decode replica. vLLM's CPU default, set here."""
-    engine_max_batched_tokens: int = 2048
-    """Tokens one engine step computes at most (vLLM's max_num_batched_tokens): longer prompts are
-    chunked, so a prompt computed on decode stalls its streams one step of at most this many tokens
-    at a time. vLLM's CPU default for its API server, set here and given to every benchmark peer."""
     later_turns_first: bool = True
     """Engines schedule by priority (vLLM's "priority" policy): a later turn's prompt, a short
     append whose user waits, goes ahead of first turns waiting in the same engine; off: FCFS."""
@@ -423,8 +427,8 @@ class AppConfig:
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
             "stream_interval_tokens must be >= 1": self.stream_interval_tokens >= 1,
             "engine_nice must lie in [0, 19]": 0 <= self.engine_nice <= 19,
-            "engine_max_batched_tokens must be >= engine_max_num_seqs >= 1 (vLLM's own check)":
-                self.engine_max_batched_tokens >= self.engine_max_num_seqs >= 1,
+            "each group's max_batched_tokens must be >= engine_max_num_seqs >= 1 (vLLM's own check)":
+                min(self.prefill.max_batched_tokens, self.decode.max_batched_tokens) >= self.engine_max_num_seqs >= 1,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
             "min_local_horizon_s must be >= 0": self.min_local_horizon_s >= 0,
             # At least three of decode's heartbeats inside each lease extension on prefill.

@@ -7,8 +7,6 @@ into vLLM's kv_transfer_params (and back). Prefill and decode replicas each hold
 
 import asyncio
 import os
-import random
-import socket
 import tempfile
 import time
 import uuid
@@ -24,6 +22,7 @@ from app.hashing import HASH_ALGO
 from app.idle_poll import IDLE_POLL_ENV
 from app.metrics import kv_bytes_per_token
 from app.nixl_poll import POLL_DELAY_ENV
+from app.ports import free_port
 from app.protocol import EngineEndpoint, KVHandoff, LoadReport, Role, SamplingSettings
 
 DEAD_ENGINE_POLL_S = 0.1
@@ -131,34 +130,6 @@ class EngineIdentity:
         return f"ipc://{tempfile.gettempdir()}/kv-loop-events-{self.engine_id}"
 
 
-EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
-
-
-def free_port(host: str) -> int:
-    """A free port outside the OS's ephemeral range. A port from bind(0) is free only until the
-    engine binds it, seconds later, and any process's bind(0) may take it first: a decode worker
-    once took prefill's side-channel port, and vLLM waited for its handshake listener forever."""
-    low, high = _ephemeral_range()  # and above Ray's worker ports (10002-19999 by default)
-    candidates = range(20_000, low) if low > 21_000 else range(high + 1, 65_536)
-    for port in random.sample(candidates, min(len(candidates), 500)):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port outside the ephemeral range on {host}")
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open(EPHEMERAL_PORTS) as ports:
-            low, high = map(int, ports.read().split())
-            return low, high
-    except (OSError, ValueError):
-        return 32_768, 60_999  # Linux's default
-
-
 def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> EngineIdentity:
     """A unique engine id and side-channel port per replica; a core of its own where there is one.
     Prefill takes cores from the first up, decode from the last down: replicas that autoscaling
@@ -217,7 +188,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         gpu_memory_utilization=group.gpu_memory_utilization,
         num_gpu_blocks_override=group.num_gpu_blocks_override or None,
         stream_interval=config.stream_interval_tokens, max_num_seqs=config.engine_max_num_seqs,
-        max_num_batched_tokens=config.engine_max_batched_tokens,
+        max_num_batched_tokens=group.max_batched_tokens,
         scheduling_policy=scheduling_policy(config),
         kv_transfer_config=transfer, worker_extension_cls="app.nixl_poll.NixlPollDelay",
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",

@@ -1,11 +1,11 @@
 """Start the graph on a local Ray for tests, benchmarks and notebooks: `start_local(config)` -> URL."""
 
 import os
-import socket
 
 from app.config import TINY_MODEL, AppConfig
 from app.graph import build_graph
 from app.model.tiny import ensure_tiny_model
+from app.ports import free_port
 
 APP_NAME = "kvloop"
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
@@ -14,12 +14,6 @@ WORKER_NICENESS_ENV, SERVING_NICENESS = "RAY_worker_niceness", 0
 serving path's Python then yields to the engines' compute only weakly (weights 36 to 15 against
 engine_nice 19): at 64 conversations its hops outside the router took 58-88 ms of a later turn's
 first token at 15, 17-27 ms at 0 (docs/measurements.md)."""
-
-
-def free_local_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_local(config: AppConfig, num_cpus: int = 4) -> str:
@@ -46,10 +40,10 @@ def start_serve(num_cpus: int = 4, haproxy: bool = True) -> str:
     # own stats and metrics ports are fixed by default: free ones let another Serve run beside.
     worker_niceness()
     os.environ.update({HAPROXY_ENV: "1" if haproxy else "0",
-                       "RAY_SERVE_HAPROXY_STATS_PORT": str(free_local_port()),
-                       "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_local_port())})
+                       "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port("127.0.0.1")),
+                       "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port("127.0.0.1"))})
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    port = free_local_port()
+    port = free_port("127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return f"http://127.0.0.1:{port}"
 

@@ -15,8 +15,9 @@ import httpx
 from app.config import AppConfig, EngineGroupConfig
 from app.engine import scheduling_policy
 from app.engine_process import ENGINE_NICE_ENV
-from app.launch import free_local_port, worker_niceness
+from app.launch import worker_niceness
 from app.nixl_poll import POLL_DELAY_ENV
+from app.ports import free_port
 
 SERVE_LLM_APP = "serve-llm-pd"
 SERVE_LLM_PREFIX = "/serve-llm"
@@ -34,17 +35,19 @@ def _wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> None:
     raise RuntimeError(f"{url} did not become healthy")
 
 
-def peer_engine_kwargs(config: AppConfig) -> dict:
-    """The engine settings every peer shares with this app's engines, as vLLM's engine arguments."""
+def peer_engine_kwargs(config: AppConfig, group: EngineGroupConfig) -> dict:
+    """The engine settings every peer shares with this app's `group` engines, as vLLM's engine arguments."""
     return {"dtype": config.engine_dtype, "block_size": config.block_size, "max_model_len": config.max_model_len,
             "enforce_eager": True, "enable_prompt_tokens_details": True,
             "stream_interval": config.stream_interval_tokens, "max_num_seqs": config.engine_max_num_seqs,
-            "max_num_batched_tokens": config.engine_max_batched_tokens, "scheduling_policy": scheduling_policy(config)}
+            "max_num_batched_tokens": group.max_batched_tokens, "scheduling_policy": scheduling_policy(config)}
 
 
 def plain_vllm_command(config: AppConfig, port: int) -> list[str]:
-    """vLLM's OpenAI server with the peers' engine settings, prefix caching on."""
-    kwargs = {**peer_engine_kwargs(config), "enable_prefix_caching": True, "host": "127.0.0.1", "port": port}
+    """vLLM's OpenAI server with the peers' engine settings, prefix caching on; its step budget is
+    the app's prefill group's (the engine that computes the prompts)."""
+    kwargs = {**peer_engine_kwargs(config, config.prefill), "enable_prefix_caching": True,
+              "host": "127.0.0.1", "port": port}
     flags = [item for key, value in kwargs.items()
              for item in ([f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)]))]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_path()),
@@ -55,7 +58,7 @@ def plain_vllm_command(config: AppConfig, port: int) -> list[str]:
 def plain_vllm(config: AppConfig) -> Iterator[str]:
     """vLLM's own OpenAI server on one engine (all cores, this app's pool, stream interval and engine
     priority): the single-engine ideal. Yields its URL."""
-    port = free_local_port()
+    port = free_port("127.0.0.1")
     command, niceness = plain_vllm_command(config, port), worker_niceness()
     # The app's priorities too: its API server at Ray's worker niceness, as every Serve replica, and
     # its engine processes at the app's engine_nice (this package's vLLM plugin lowers their own).
@@ -80,7 +83,7 @@ def serve_llm_pd_args(config: AppConfig) -> dict:
     def llm_config(group: EngineGroupConfig, core: int) -> dict:
         transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
                     "kv_connector_extra_config": {"backends": list(config.nixl_backends)}}
-        engine = {**peer_engine_kwargs(config), "enable_prefix_caching": group.prefix_caching,
+        engine = {**peer_engine_kwargs(config, group), "enable_prefix_caching": group.prefix_caching,
                   "kv_transfer_config": transfer, "worker_extension_cls": "app.nixl_poll.NixlPollDelay"}
         if group.num_gpu_blocks_override:
             engine["num_gpu_blocks_override"] = group.num_gpu_blocks_override

@@ -273,9 +273,10 @@ def write(rows: list[Row], cpu: list[CpuUse], summary: str, config: AppConfig, o
     plot(rows, config.block_size, out)
 
 
-def sweep(levels: list[int], systems: list[str], config: AppConfig) -> tuple[list[Row], list[CpuUse]]:
-    """Start every system once, then at each level drive each in turn (the app first: the ideal
-    replays its prompts)."""
+def sweep(levels: list[int], systems: list[str], config: AppConfig,
+          peer_config: AppConfig) -> tuple[list[Row], list[CpuUse]]:
+    """Start every system once (the peers' engines from `peer_config`), then at each level drive
+    each in turn (the app first: the ideal replays its prompts)."""
     from app.launch import replace_app, start_serve
     from benchmarks.multi_turn import warm_up
     from benchmarks.peers import plain_vllm, serve_llm_pd
@@ -289,9 +290,9 @@ def sweep(levels: list[int], systems: list[str], config: AppConfig) -> tuple[lis
             replace_app(config)
             urls.update(dict.fromkeys(APP_EXTRA, proxy_url))
         if {"ideal", "vllm"} & set(systems):
-            urls["ideal"] = urls["vllm"] = running.enter_context(plain_vllm(config))
+            urls["ideal"] = urls["vllm"] = running.enter_context(plain_vllm(peer_config))
         if "serve-llm" in systems:
-            urls["serve-llm"] = running.enter_context(serve_llm_pd(config, proxy_url))
+            urls["serve-llm"] = running.enter_context(serve_llm_pd(peer_config, proxy_url))
         for system in dict.fromkeys(urls[s] for s in systems):
             warm_up(system, tokenizer, {"model": model})
         rows: list[Row] = []
@@ -339,11 +340,15 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                         help="a config value for the app and every peer (dotted keys, as Serve args), e.g. "
                              "later_turns_first=false; repeatable")
+    parser.add_argument("--peer-set", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
+                        help="a config value for the peers' engines only, after --set (an engine setting the "
+                             "app's groups have apart, e.g. prefill.max_batched_tokens=512 for the plain engine)")
     parser.add_argument("--out", type=Path,
                         default=Path("benchmarks/results") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
     config = load_config({"max_model_len": "4096", **dict(args.set)})
-    rows, cpu = sweep([int(n) for n in args.concurrency.split(",")], args.systems, config)
+    peer_config = load_config({"max_model_len": "4096", **dict(args.set), **dict(args.peer_set)})
+    rows, cpu = sweep([int(n) for n in args.concurrency.split(",")], args.systems, config, peer_config)
     summary = summarize(rows, config) + "\n\n" + cpu_lines(cpu)
     print(summary, flush=True)
     write(rows, cpu, summary, config, args.out)

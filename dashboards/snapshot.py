@@ -40,10 +40,10 @@ scrape_configs:
 
 
 def start_prometheus(workdir: Path, data_dir: Path, metrics_port: int) -> tuple[subprocess.Popen, str]:
-    from app.launch import free_local_port
+    from app.ports import free_port
 
     (workdir / "prometheus.yml").write_text(PROMETHEUS_YML.format(port=metrics_port))
-    port = free_local_port()
+    port = free_port("127.0.0.1")
     server = subprocess.Popen(
         ["prometheus", f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={data_dir}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],

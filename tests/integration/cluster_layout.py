@@ -152,10 +152,10 @@ def run(workdir: Path) -> dict[str, Any]:
     import ray
 
     from app.config import load_config
-    from app.launch import free_local_port
     from app.model.tiny import ensure_tiny_model
+    from app.ports import free_port
 
-    port = free_local_port()
+    port = free_port("127.0.0.1")
     config = serve_config(str(workdir / "models"), port)
     app_config = load_config(config["applications"][0]["args"])
     ensure_tiny_model(app_config.model_path())  # once here, not raced by three replicas
@@ -204,13 +204,14 @@ def isolate_ray() -> Path:
     records "the latest cluster", which a bare ray.init() elsewhere would otherwise join) and no
     inherited address. Serve's HAProxy ingress, as cluster.yaml starts Ray, with free stats and
     metrics ports (fixed by default; another Serve may be running here)."""
-    from app.launch import HAPROXY_ENV, free_local_port
+    from app.launch import HAPROXY_ENV
+    from app.ports import free_port
 
     ray_tmp = Path(tempfile.mkdtemp(prefix="kvlc-"))  # short: Ray's socket paths live under it
     os.environ.pop("RAY_ADDRESS", None)
     os.environ.update({"RAY_TMPDIR": str(ray_tmp), HAPROXY_ENV: "1",
-                       "RAY_SERVE_HAPROXY_STATS_PORT": str(free_local_port()),
-                       "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_local_port())})
+                       "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port("127.0.0.1")),
+                       "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port("127.0.0.1"))})
     return ray_tmp
 
 

@@ -171,7 +171,7 @@ def _fresh_conversation(tag: str) -> list[dict]:
 
 def _plant_for(messages: list[dict], app_config, expires_in_s: float) -> None:
     from app.chat import PromptRenderer
-    from app.engine import free_port
+    from app.ports import free_port
 
     renderer = PromptRenderer(app_config.model_path(), app_config.max_model_len)
     _plant_retained(renderer.chat(messages, {}) + [7] * 64, free_port("127.0.0.1"), expires_in_s)

@@ -48,15 +48,21 @@ def test_kv_events_and_the_nixl_side_channel_bind_the_node_s_address_only():
 
 
 def test_the_engine_scheduler_limits_come_from_the_config_and_the_peers_get_the_same():
-    from app.config import AppConfig
+    from app.config import AppConfig, EngineGroupConfig
     from app.engine import assign_identity, engine_args
     from benchmarks.peers import plain_vllm_command, serve_llm_pd_args
 
-    config = AppConfig(engine_max_num_seqs=96, engine_max_batched_tokens=1024, later_turns_first=False)
+    config = AppConfig(engine_max_num_seqs=96, prefill=EngineGroupConfig(max_batched_tokens=1024),
+                       decode=EngineGroupConfig(max_batched_tokens=256), later_turns_first=False)
     args = engine_args(config, config.decode, assign_identity(config, Role.DECODE, 0, "127.0.0.1"))
-    assert (args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy) == (96, 1024, "fcfs")
-    peer = serve_llm_pd_args(config)["decode_config"]["engine_kwargs"]
-    assert (peer["max_num_seqs"], peer["max_num_batched_tokens"], peer["scheduling_policy"]) == (96, 1024, "fcfs")
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy) == (96, 256, "fcfs")
+    prefill = engine_args(config, config.prefill, assign_identity(config, Role.PREFILL, 0, "127.0.0.1"))
+    assert prefill.max_num_batched_tokens == 1024
+    peer = serve_llm_pd_args(config)
+    for group, step_tokens in (("prefill_config", 1024), ("decode_config", 256)):
+        kwargs = peer[group]["engine_kwargs"]
+        assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"], kwargs["scheduling_policy"]) == (
+            96, step_tokens, "fcfs")
     command = " ".join(plain_vllm_command(config, 8000))
     assert "--max-num-seqs 96 --max-num-batched-tokens 1024 --scheduling-policy fcfs" in command
     assert "--enforce-eager --enable-prompt-tokens-details" in command and "--enable-prefix-caching" in command
@@ -106,7 +112,7 @@ def test_a_request_waiting_on_a_dead_engine_fails_at_once_and_a_cancelled_one_ca
 def test_engine_ports_lie_outside_the_ephemeral_range_so_no_other_bind_takes_them_first():
     import socket
 
-    from app.engine import _ephemeral_range, free_port
+    from app.ports import _ephemeral_range, free_port
 
     low, high = _ephemeral_range()
     ports = {free_port("127.0.0.1") for _ in range(20)}
