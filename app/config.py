@@ -47,11 +47,13 @@ class EngineGroupConfig:
     """Share of GPU memory vLLM may take (GPU only)."""
     num_gpu_blocks_override: int = 0
     """Force the KV pool to this many blocks (0: let vLLM size it); small pools create cache loss."""
-    max_batched_tokens: int = 2048
+    max_batched_tokens: int = 512
     """Tokens one engine step computes at most (vLLM's max_num_batched_tokens); longer prompts are
-    chunked. A step's time grows with it, and every request in the engine waits for the step in
-    flight: on decode that is each stream's next token and each short append's first (2,048 prompt
-    tokens took about 200 ms on one core here). vLLM's CPU default for its API server."""
+    chunked. Every request in an engine waits for the step in flight (vLLM adds new requests
+    between steps, and a later turn goes ahead of waiting first turns but not of a running chunk):
+    on decode that is each stream's next token and each short append's first. A quarter of vLLM's
+    CPU default (2048): at 64 conversations here an append on decode waited 1,036 ms in the engine
+    with 2048 on both groups, 306 ms with 512 (docs/measurements.md); the benchmark's peers get it too."""
 
 
 @dataclass(frozen=True)
@@ -319,10 +321,7 @@ class AppConfig:
     dtype: str = "auto"
     """Weights and KV dtype; "auto" is float32 for the embedded model (vLLM's CPU default would be bf16)."""
     prefill: EngineGroupConfig = EngineGroupConfig(prefix_caching=True)
-    decode: EngineGroupConfig = EngineGroupConfig(prefix_caching=True, max_batched_tokens=512)
-    """Decode's steps are a quarter of prefill's: a first turn placed on decode is computed in
-    chunks of 512 tokens, so a short append behind it waits about 50 ms on one core instead of 200
-    (at 64 conversations most later turns are such appends; docs/measurements.md)."""
+    decode: EngineGroupConfig = EngineGroupConfig(prefix_caching=True)
     reverse_pull: bool = True
     """Pull the previous turn's KV back from decode; off means prefill always recomputes history."""
     recompute_threshold_tokens: int = 256
@@ -349,7 +348,7 @@ class AppConfig:
     conversation may run whole there (its prefix cache holds the history: no prefill hop, no KV
     transfer); with load-aware placement a first turn this short may too, when decode is estimated
     to answer sooner. Under the fixed rule (placement.load_aware off) such an append always runs on
-    decode. 0: every turn goes through prefill. 2048: four of decode's steps on CPU; on 2 cores
+    decode. 0: every turn goes through prefill. 2048: four engine steps on CPU; on 2 cores
     900-token appends gained under the fixed rule (docs/measurements.md)."""
     placement: Placement = Placement()
     kv_events: bool = True
