@@ -23,7 +23,7 @@ from app.idle_poll import IDLE_POLL_ENV
 from app.metrics import kv_bytes_per_token
 from app.nixl_poll import POLL_DELAY_ENV
 from app.ports import free_port
-from app.protocol import EngineEndpoint, KVHandoff, LoadReport, Role, SamplingSettings
+from app.protocol import EngineEndpoint, EngineTiming, KVHandoff, LoadReport, Role, SamplingSettings
 
 DEAD_ENGINE_POLL_S = 0.1
 """How often a request waiting on the engine checks that the engine process lives."""
@@ -250,6 +250,18 @@ def from_vllm_params(params: dict[str, Any], hold_s: float | None = None) -> KVH
                      num_tokens=int(params.get("remote_num_tokens") or 0),
                      request_id=params["remote_request_id"], expiry_time=expiry,
                      engine_expiry=engine_expiry)
+
+
+def engine_timing(output: Any, called_at: float) -> EngineTiming | None:
+    """The first output's way through the engine (`called_at`: time.monotonic() of the call; vLLM's
+    engine-core timestamps are on the same monotonic clock)."""
+    stats = output.metrics
+    if stats is None or not stats.first_token_ts:
+        return None
+    ms = lambda seconds: round(seconds * 1e3, 2)  # noqa: E731
+    return EngineTiming(admit_ms=ms(stats.queued_ts - called_at), queued_ms=ms(stats.scheduled_ts - stats.queued_ts),
+                        step_ms=ms(stats.first_token_ts - stats.scheduled_ts),
+                        deliver_ms=ms(time.monotonic() - stats.first_token_ts))
 
 
 class EngineDied(RuntimeError):

@@ -185,6 +185,23 @@ class TurnRecords:
 
 
 @dataclass(frozen=True)
+class EngineTiming:
+    """Where a request's time to its first token went inside the engine replica (vLLM's request
+    stats), in ms. vLLM adds a new request between two steps and runs a later turn ahead of
+    waiting first turns but not of a chunk already running, so `admit_ms` is about the rest of
+    the step in flight and `step_ms` the step (or chunks) that computed the prompt."""
+
+    admit_ms: float
+    """From the replica's call to the engine's scheduler queue."""
+    queued_ms: float
+    """In the scheduler's queue: behind other requests, or reading its KV over NIXL."""
+    step_ms: float
+    """From the first step that scheduled it to its first token."""
+    deliver_ms: float
+    """From the engine's first token to the replica's handler."""
+
+
+@dataclass(frozen=True)
 class ReplyChunk:
     token_ids: tuple[int, ...]
     text: str
@@ -193,6 +210,8 @@ class ReplyChunk:
     """Set on the final chunk only."""
     num_cached_tokens: int | None = None
     """Prompt tokens the engine found in its prefix cache; set when decode computed the prompt."""
+    engine_timing: EngineTiming | None = None
+    """Set on the first chunk when decode computed the prompt."""
 
 
 @dataclass(frozen=True)
@@ -259,6 +278,8 @@ class PrefillResult:
     """The turn's first token, for the client now; decode continues from prompt + this token, whose
     KV the handoff holds. Its finish_reason is set when the turn ends with it. Computed on decode:
     the first chunk of decode's reply, which goes on streaming."""
+    engine_timing: EngineTiming | None = None
+    """The prompt's way through the engine that computed it (None where vLLM gave no stats)."""
 
 
 @dataclass(frozen=True)

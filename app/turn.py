@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -207,7 +207,8 @@ class TurnLoop:
                     "plan_ms": round((planned - started) * 1e3, 2), "prefill_ms": prefill_ms,
                     "eviction_horizon_s": self.journal.observe_load(result, time.time()) if on_prefill else None,
                     "first_token_from": "prefill" if (on_prefill and result.first_chunk)
-                    or decision.action == Action.RUN_ON_PREFILL else "decode"}
+                    or decision.action == Action.RUN_ON_PREFILL else "decode",
+                    "engine_ms": asdict(result.engine_timing) if result.engine_timing else None}
         entry = self.journal.log(turn, decision, result, measured)
         return PreparedTurn(turn=turn, decision=decision, prefill=result, ledger=ledger, log_entry=entry,
                             started_at=started, reply=reply)
@@ -463,7 +464,8 @@ class TurnLoop:
             self.journal.queued_tokens[target] -= queued
         ledger.advance(TurnState.DECODING)
         result = PrefillResult(replica_id=target, handoff=None, num_prompt_tokens=len(turn.prompt_token_ids),
-                               num_cached_tokens=first.num_cached_tokens or 0, first_chunk=first)
+                               num_cached_tokens=first.num_cached_tokens or 0, first_chunk=first,
+                               engine_timing=first.engine_timing)
         return result, stream
 
     # ---- decoding ------------------------------------------------------------------------------------

@@ -139,8 +139,15 @@ def rows_of(scenario: str, run: SystemRun, decisions: dict[str, dict], prefill_h
             rows.append(Row(scenario, run.system, i, turn, started, r.prompt_tokens, len(r.output_ids), cached,
                             r.prompt_tokens - cached, r.ttft_s, r.itl_s, r.e2e_s, d.get("action", ""),
                             d.get("pulled_tokens", 0), d.get("pulled_tokens", 0) * bytes_per_token, *stages,
-                            render_s=(d.get("render_ms") or 0.0) / 1e3))
+                            render_s=(d.get("render_ms") or 0.0) / 1e3, **_engine_stages(d.get("engine_ms"))))
     return rows
+
+
+def _engine_stages(engine_ms: dict | None) -> dict[str, float]:
+    if not engine_ms:
+        return {}
+    return {"engine_wait_s": (engine_ms["admit_ms"] + engine_ms["queued_ms"]) / 1e3,
+            "engine_step_s": engine_ms["step_ms"] / 1e3}
 
 
 def app_decisions(url: str) -> dict[str, dict]:

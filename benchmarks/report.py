@@ -45,6 +45,11 @@ class Row:
     render_s: float = 0.0
     """The app's router from receiving the request to planning it: rendering and hashing the
     prompt, waits for the render thread included (0 for peers)."""
+    engine_wait_s: float = 0.0
+    """In the engine that computed the prompt, before its first step: the rest of the step in
+    flight and the scheduler's queue (`engine_ms` admit + queued in the decision log; 0 for peers)."""
+    engine_step_s: float = 0.0
+    """That engine's step(s) from scheduling the prompt to its first token (0 for peers)."""
 
 
 def _by_label(rows: list[Row]) -> dict[tuple[str, str], list[Row]]:

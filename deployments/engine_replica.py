@@ -18,7 +18,7 @@ from ray import serve
 from app import kv_events
 from app.autoscaling import KV_CACHE_USAGE, RUNNING_SEQS, WAITING_SEQS
 from app.config import TINY_MODEL, AppConfig
-from app.engine import Engine, from_vllm_params, hold_params, to_vllm_params
+from app.engine import Engine, engine_timing, from_vllm_params, hold_params, to_vllm_params
 from app.model.tiny import ensure_tiny_model
 from app.protocol import DecodeRequest, EngineStatus, KVHandoff, ReplicaInfo, ReplyChunk, RetainedBlocks, Role
 from app.versions import check_supported
@@ -108,17 +108,20 @@ class EngineReplica:
         else:
             params = to_vllm_params(request.handoff, Role.DECODE)
         generated: list[int] = []
+        called_at = time.monotonic()
         stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.cache_salt,
                                       request.sampling, params, request.priority)
         async for output in stream:
             completion = output.outputs[0]
             if completion.finish_reason == "error":
                 raise GenerationFailed(f"{request.request_id} failed in the engine")
+            timing = engine_timing(output, called_at) if computes_prompt and not generated else None
             generated.extend(completion.token_ids)
             retained = self._retained(request, generated, output.kv_transfer_params) if output.finished else None
             yield ReplyChunk(token_ids=tuple(completion.token_ids), text=completion.text,
                              finish_reason=completion.finish_reason, retained=retained,
-                             num_cached_tokens=output.num_cached_tokens if computes_prompt else None)
+                             num_cached_tokens=output.num_cached_tokens if computes_prompt else None,
+                             engine_timing=timing)
 
     def _retained(self, request: DecodeRequest, generated: list[int], params) -> RetainedBlocks | None:
         if not params or not params.get("remote_block_ids"):

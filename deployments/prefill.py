@@ -3,6 +3,7 @@ NIXL, and holds it for decode to read; samples the turn's first token when the r
 router ──PrefillRequest──▶ here ──PrefillResult──▶ router
 """
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -10,7 +11,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from app.autoscaling import QUEUED_PREFILL_TOKENS, QueuedTokens
-from app.engine import from_vllm_params, hold_params, to_vllm_params
+from app.engine import engine_timing, from_vllm_params, hold_params, to_vllm_params
 from app.protocol import PrefillRequest, PrefillResult, ReplyChunk, Role, SamplingSettings
 from deployments.engine_replica import EngineReplica
 from deployments.targeted_router import TargetedRequestRouter
@@ -38,12 +39,15 @@ class PrefillServer(EngineReplica):
         # do_remote_decode: keep the prompt's blocks for decode; the pull fields (if any) make
         # prefill read the history's blocks from decode first.
         params = to_vllm_params(request.pull, Role.PREFILL) if request.pull else hold_params()
+        called_at, timing, deltas = time.monotonic(), None, []
         stream = self.engine.generate(request.request_id, request.prompt_token_ids, request.cache_salt,
                                       engine_settings(request, self.config.block_size), params, request.priority)
         queued = len(request.prompt_token_ids) - (request.pull.num_tokens if request.pull else 0)
         self.queued_tokens.add(queued)
         try:
-            deltas = [output async for output in stream]
+            async for output in stream:
+                timing = timing or engine_timing(output, called_at)
+                deltas.append(output)
         finally:
             self.queued_tokens.add(-queued)
         final = deltas[-1] if deltas else None
@@ -56,7 +60,7 @@ class PrefillServer(EngineReplica):
         return PrefillResult(replica_id=self.replica_id, handoff=handoff,
                              num_prompt_tokens=len(request.prompt_token_ids),
                              num_cached_tokens=final.num_cached_tokens or 0,
-                             pool_tokens=self.engine.pool_tokens, first_chunk=first)
+                             pool_tokens=self.engine.pool_tokens, first_chunk=first, engine_timing=timing)
 
 
 def engine_settings(request: PrefillRequest, block_size: int) -> SamplingSettings:

@@ -13,7 +13,7 @@ SCHEMA = {"scenario": "string", "system": "string", "conversation": "int64", "tu
           "completion_tokens": "int64", "cached_tokens": "int64", "prefilled_tokens": "int64", "ttft_s": "double",
           "itl_s": "double", "e2e_s": "double", "decision": "string", "pulled_tokens": "int64", "pulled_bytes": "int64",
           "plan_s": "double", "prefill_s": "double", "decode_first_s": "double", "concurrency": "int64",
-          "error": "string", "render_s": "double"}
+          "error": "string", "render_s": "double", "engine_wait_s": "double", "engine_step_s": "double"}
 
 
 def test_ci_preset_writes_stable_results_and_later_turns_are_cheaper(base_url, app_config, tmp_path):
@@ -27,6 +27,7 @@ def test_ci_preset_writes_stable_results_and_later_turns_are_cheaper(base_url, a
     assert (tmp_path / "multi_turn.png").stat().st_size > 10_000
     assert "pull+preserve / disagg (app)" in (tmp_path / "summary.md").read_text()
     assert all(r.render_s > 0 for r in rows), "every turn's rendering time, from the decision log"
+    assert all(r.engine_step_s > 0 for r in rows), "every turn's engine step, from the decision log"
     for system, decision in (("pull+preserve", "pull"), ("on-decode", "prefill_on_decode")):
         mine = [r for r in rows if r.system == system]
         first = [r.prefilled_tokens for r in mine if r.turn == 1]

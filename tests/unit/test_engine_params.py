@@ -119,3 +119,18 @@ def test_engine_ports_lie_outside_the_ephemeral_range_so_no_other_bind_takes_the
     assert all(not low <= p <= high for p in ports)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports.pop()))  # free when returned
+
+
+def test_engine_timing_splits_the_first_token_s_wait_from_vllm_s_request_stats():
+    import time
+    from types import SimpleNamespace
+
+    from app.engine import engine_timing
+
+    called = time.monotonic() - 1.0
+    stats = SimpleNamespace(queued_ts=called + 0.125, scheduled_ts=called + 0.5, first_token_ts=called + 0.75)
+    timing = engine_timing(SimpleNamespace(metrics=stats), called)
+    assert (timing.admit_ms, timing.queued_ms, timing.step_ms) == (125.0, 375.0, 250.0)
+    assert 240 <= timing.deliver_ms < 1000, "from the first token to now, on the same monotonic clock"
+    assert engine_timing(SimpleNamespace(metrics=None), called) is None, "stats off: no timing, no error"
+    assert engine_timing(SimpleNamespace(metrics=SimpleNamespace(first_token_ts=0.0)), called) is None
