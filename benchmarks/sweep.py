@@ -199,6 +199,10 @@ def summarize(rows: list[Row], config: AppConfig) -> str:
             first, later = [r for r in ok if r.turn == 1], [r for r in ok if r.turn > 1]
             shares.append(f"{n}: {_on_decode_share(first):.2f} / {_on_decode_share(later):.2f}")
         lines.append(f"- {system}: " + "; ".join(shares))
+    lines += ["", "Later turns by where the app computed them, p50 ms (TTFT; in the engine: waiting for the step in "
+              "flight and the queue / the step to the first token):"]
+    lines += [line for system in systems if system in APP_EXTRA for n in levels
+              if (line := _later_by_side(system, n, [r for r in rows if r.system == system and r.concurrency == n]))]
     lines += ["", "Ratios, app / peer (issue 14's targets at 32 and 64 conversations):"]
     for n in levels:
         mine = table.get(("app", n))
@@ -223,6 +227,18 @@ def cpu_lines(cpu: list[CpuUse]) -> str:
         total = sum(per_reply.values())
         lines.append(f"- {c.system}: {total:.1f} in all: {parts}")
     return "\n".join(lines)
+
+
+def _later_by_side(system: str, level: int, rows: list[Row]) -> str:
+    by_side: dict[str, list[Row]] = {}
+    for row in rows:
+        if row.turn > 1 and not row.error:
+            by_side.setdefault(row.decision, []).append(row)
+    parts = [f"{side} {len(group)}: {statistics.median(r.ttft_s for r in group) * 1e3:.0f} "
+             f"({statistics.median(r.engine_wait_s for r in group) * 1e3:.0f} / "
+             f"{statistics.median(r.engine_step_s for r in group) * 1e3:.0f})"
+             for side, group in sorted(by_side.items())]
+    return f"- {system} at {level}: " + "; ".join(parts) if parts else ""
 
 
 def _on_decode_share(rows: list[Row]) -> float:
