@@ -116,10 +116,14 @@ def test_a_router_replica_killed_mid_reply_loses_no_reply_and_no_conversation(tw
     messages = _messages("router")
     turns = [chat_turn(client, messages, MAX_TOKENS)]
     messages = _next(messages, turns[0], "Next.")
-    others = [_messages(f"router stream {i}") for i in range(3)]
+    # The other three are short prompts that keep nothing for a next turn. Four retained replies would
+    # pass decode's retained share of this small pool; and four long prompts, with the two moved
+    # replies recomputed while their first copies are being aborted, filled it past
+    # limits.retained_yield_usage with requests waiting: decode then rightly released the one
+    # sequence it kept, this conversation's (seen in a CI run after engine steps became 512 tokens,
+    # which likely keep a recomputed prompt waiting longer).
+    others = [[{"role": "user", "content": f"router stream {i}"}] for i in range(3)]
     with ThreadPoolExecutor(4) as pool:
-        # The other three keep nothing for a next turn: four retained replies would pass decode's
-        # retained share of this small pool, and it would release the oldest, which may be this one.
         streams = [pool.submit(chat_turn, client, messages, long_reply),
                    *(pool.submit(chat_turn, client, m, long_reply, reverse_pull=False) for m in others)]
         faults.wait_until(lambda: faults.engine_status("decode").num_running_reqs >= 4, 60.0, poll_s=0.05)
