@@ -52,8 +52,8 @@ class EngineGroupConfig:
     chunked. Every request in an engine waits for the step in flight (vLLM adds new requests
     between steps, and a later turn goes ahead of waiting first turns but not of a running chunk):
     on decode that is each stream's next token and each short append's first. A quarter of vLLM's
-    CPU default (2048): at 64 conversations here an append on decode waited 1,036 ms in the engine
-    with 2048 on both groups, 306 ms with 512 (docs/measurements.md); the benchmark's peers get it too."""
+    CPU default (2048): at 64 conversations here an append on decode waited 1,036 ms for its first
+    token with 2048, 306 ms with 512 (two runs; docs/measurements.md). The benchmark's peers get it too."""
 
 
 @dataclass(frozen=True)
