@@ -358,7 +358,7 @@ def main() -> None:
                              "later_turns_first=false; repeatable")
     parser.add_argument("--peer-set", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                         help="a config value for the peers' engines only, after --set (an engine setting the "
-                             "app's groups have apart, e.g. prefill.max_batched_tokens=512 for the plain engine)")
+                             "app's groups have apart, e.g. prefill.max_batched_tokens=2048 for the plain engine)")
     parser.add_argument("--out", type=Path,
                         default=Path("benchmarks/results") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
