@@ -352,7 +352,9 @@ class AppConfig:
     900-token appends gained under the fixed rule (docs/measurements.md)."""
     placement: Placement = Placement()
     kv_events: bool = True
-    """Engines publish vLLM KV cache events; the KV index subscribes (what each replica holds)."""
+    """Prefill engines publish vLLM KV cache events; the KV index subscribes (what each prefill
+    replica caches). Decode engines publish none: the index learns what decode retains from each
+    turn's records, and decode's events, read by nobody, cost its engine and replica CPU each step."""
     prefix_hash_seed: int = DEFAULT_HASH_SEED
     """PYTHONHASHSEED of every engine: vLLM's root block hash, which the router's hashes must share."""
     nixl_backends: tuple[str, ...] = ("UCX",)

@@ -192,8 +192,14 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         scheduling_policy=scheduling_policy(config),
         kv_transfer_config=transfer, worker_extension_cls="app.nixl_poll.NixlPollDelay",
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                        endpoint=identity.engine_events_endpoint) if config.kv_events else None,
+                                        endpoint=identity.engine_events_endpoint)
+        if publishes_kv_events(config, identity.role) else None,
         disable_log_stats=False)
+
+
+def publishes_kv_events(config: AppConfig, role: Role) -> bool:
+    """Whether an engine of `role` publishes KV cache events (AppConfig.kv_events: prefill only)."""
+    return config.kv_events and role == Role.PREFILL
 
 
 def scheduling_policy(config: AppConfig) -> str:

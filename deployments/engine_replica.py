@@ -18,7 +18,7 @@ from ray import serve
 from app import kv_events
 from app.autoscaling import KV_CACHE_USAGE, RUNNING_SEQS, WAITING_SEQS
 from app.config import TINY_MODEL, AppConfig
-from app.engine import Engine, engine_timing, from_vllm_params, hold_params, to_vllm_params
+from app.engine import Engine, engine_timing, from_vllm_params, hold_params, publishes_kv_events, to_vllm_params
 from app.model.tiny import ensure_tiny_model
 from app.protocol import DecodeRequest, EngineStatus, KVHandoff, ReplicaInfo, ReplyChunk, RetainedBlocks, Role
 from app.versions import check_supported
@@ -58,13 +58,14 @@ class EngineReplica:
         self.config, self.index = config, index
         self.engine = Engine(config, self.role, context.rank.rank, ray.util.get_node_ip_address())
         group = config.prefill if self.role == Role.PREFILL else config.decode
+        publishes = publishes_kv_events(config, self.role)
         self.info = ReplicaInfo(replica_id=self.replica_id, role=self.role, endpoint=self.engine.endpoint,
                                 prefix_caching=group.prefix_caching, block_size=config.block_size,
-                                events_endpoint=self.engine.identity.events_endpoint if config.kv_events else "")
+                                events_endpoint=self.engine.identity.events_endpoint if publishes else "")
         # Before the KV events flow and the index knows this replica: the probe is seen by nobody.
         await self.engine.probe_compute_cost(config.placement.probe_tokens)
         loop = asyncio.get_event_loop()
-        if config.kv_events:
+        if publishes:
             local, public = self.engine.identity.engine_events_endpoint, self.engine.identity.events_endpoint
             self._events = loop.create_task(kv_events.forward(local, public))
         _reattach(log_targets)

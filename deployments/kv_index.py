@@ -53,7 +53,7 @@ class KVIndexServer:
 
     async def register(self, info: ReplicaInfo) -> None:
         """A replica's start and each of its heartbeats."""
-        if self.index.register(info) and info.events_endpoint and info.role == Role.PREFILL:
+        if self.index.register(info) and info.events_endpoint:
             self._subscriptions[info.replica_id] = asyncio.get_event_loop().create_task(
                 self._follow_events(info.replica_id, info.events_endpoint))
 

@@ -36,15 +36,15 @@ def test_kv_events_and_the_nixl_side_channel_bind_the_node_s_address_only():
     from app.engine import assign_identity, engine_args, engine_env
 
     config = AppConfig()
-    identity = assign_identity(config, Role.DECODE, 0, "127.0.0.1")
-    assert engine_env(config, config.decode, identity)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
-    args = engine_args(config, config.decode, identity)
+    identity = assign_identity(config, Role.PREFILL, 0, "127.0.0.1")
+    assert engine_env(config, config.prefill, identity)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    args = engine_args(config, config.prefill, identity)
     assert args.kv_events_config.endpoint.startswith("ipc://"), "vLLM publishes on the node only"
     assert identity.events_endpoint == f"tcp://127.0.0.1:{identity.events_port}", "forwarded on the node's address"
-    transfer = args.kv_transfer_config.kv_connector_extra_config
-    assert transfer["kv_lease_duration"] == int(config.retention_ttl_s)
-    prefill = engine_args(config, config.prefill, assign_identity(config, Role.PREFILL, 0, "127.0.0.1"))
-    assert prefill.kv_transfer_config.kv_connector_extra_config["kv_lease_duration"] == config.handoff_lease_s
+    assert args.kv_transfer_config.kv_connector_extra_config["kv_lease_duration"] == config.handoff_lease_s
+    decode = engine_args(config, config.decode, assign_identity(config, Role.DECODE, 0, "127.0.0.1"))
+    assert decode.kv_transfer_config.kv_connector_extra_config["kv_lease_duration"] == int(config.retention_ttl_s)
+    assert decode.kv_events_config is None, "nobody reads decode's events: the index follows prefill's only"
 
 
 def test_the_engine_scheduler_limits_come_from_the_config_and_the_peers_get_the_same():
