@@ -54,6 +54,14 @@ class EngineGroupConfig:
     on decode that is each stream's next token and each short append's first. A quarter of vLLM's
     CPU default (2048): at 64 conversations here an append on decode waited 1,036 ms for its first
     token with 2048, 306 ms with 512 (two runs; docs/measurements.md). The benchmark's peers get it too."""
+    long_prefill_tokens: int = 256
+    """The most tokens of one prompt an engine step takes while other requests wait or run (vLLM's
+    long_prefill_token_threshold; 0: no cap). Uncapped, a running first turn's chunk takes the
+    whole step budget, and a later turn arriving behind it waits until that prompt is done: vLLM's
+    priority orders the waiting queue, but never takes budget from a running chunk. Half the step
+    here: an append (100-200 tokens) fits beside a first turn's chunk. At 32 conversations an
+    append on decode waited 79 ms in the engine uncapped, 17 ms capped (docs/measurements.md).
+    The benchmark's peers get it too."""
 
 
 @dataclass(frozen=True)
@@ -428,6 +436,8 @@ class AppConfig:
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
             "stream_interval_tokens must be >= 1": self.stream_interval_tokens >= 1,
             "engine_nice must lie in [0, 19]": 0 <= self.engine_nice <= 19,
+            "each group's long_prefill_tokens must lie in [0, max_batched_tokens]":
+                all(0 <= g.long_prefill_tokens <= g.max_batched_tokens for g in (self.prefill, self.decode)),
             "each group's max_batched_tokens must be >= engine_max_num_seqs >= 1 (vLLM's own check)":
                 min(self.prefill.max_batched_tokens, self.decode.max_batched_tokens) >= self.engine_max_num_seqs >= 1,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,

@@ -189,6 +189,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         num_gpu_blocks_override=group.num_gpu_blocks_override or None,
         stream_interval=config.stream_interval_tokens, max_num_seqs=config.engine_max_num_seqs,
         max_num_batched_tokens=group.max_batched_tokens,
+        long_prefill_token_threshold=group.long_prefill_tokens,
         scheduling_policy=scheduling_policy(config),
         kv_transfer_config=transfer, worker_extension_cls="app.nixl_poll.NixlPollDelay",
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",

@@ -168,8 +168,9 @@ class RetainedBlocks:
 @dataclass(frozen=True)
 class TurnRecords:
     """What a finished turn tells the KV index, in one call after the reply: the sequence decode
-    retains (with the block hashes the router already computed), the blocks prefill computed, and
-    the conversation record. One call instead of three: each Serve call cost both ends CPU."""
+    retains (with the block hashes the router already computed), the blocks prefill computed, the
+    conversation record, and the retained sequences to take before the router releases them. One
+    call instead of four: each Serve call cost both ends CPU."""
 
     cache_salt: str
     retained: RetainedBlocks | None = None
@@ -179,9 +180,14 @@ class TurnRecords:
     conversation: Any = None
     """The turn's app.conversations.ConversationRecord, for a chat turn."""
     session_key: str | None = None
+    take_keys: tuple[tuple[str, str], ...] = ()
+    """(replica id, request id) of sequences this turn claimed without taking them (a near-cache
+    claim, a superseded one): the index takes each after recording, and the router releases only
+    those it took."""
 
     def __bool__(self) -> bool:
-        return self.retained is not None or bool(self.prefill_hashes) or self.conversation is not None
+        return (self.retained is not None or bool(self.prefill_hashes) or self.conversation is not None
+                or bool(self.take_keys))
 
 
 @dataclass(frozen=True)

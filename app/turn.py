@@ -286,18 +286,18 @@ class TurnLoop:
         if retained is not None:
             hashes = self._remember(turn.cache_salt, retained)
         records = TurnRecords(turn.cache_salt, retained, hashes, ledger.prefill_replica_id,
-                              tuple(ledger.hashes) if settlement.record_prefill else (), conversation, session_key)
+                              tuple(ledger.hashes) if settlement.record_prefill else (), conversation, session_key,
+                              tuple(r.confirm_key for r in settlement.releases if r.confirm_key is not None))
         self.spawn(self._apply(records, settlement), "settle")
 
     async def _apply(self, records: TurnRecords, settlement: Settlement) -> None:
-        if records:
-            await self.ask_index("record_turn", records)
+        taken = (await self.ask_index("record_turn", records) or ()) if records else ()
         for release in settlement.releases:
-            await self._release(release)
+            # A claim the index did not hand over belongs to another turn (it may be pulling it now).
+            if release.confirm_key is None or release.confirm_key in taken:
+                await self._release(release)
 
     async def _release(self, release: Release) -> None:
-        if release.confirm_key is not None and await self.ask_index("take", release.confirm_key) is None:
-            return  # another turn owns it (it may be pulling it right now)
         sender = Role.PREFILL if release.owner == Role.DECODE else Role.DECODE
         if not self.engines.live(sender):  # nobody to send the notification: the owner's TTL frees it
             self.metrics.record_bookkeeping_failure("release.no_sender")

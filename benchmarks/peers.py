@@ -40,7 +40,8 @@ def peer_engine_kwargs(config: AppConfig, group: EngineGroupConfig) -> dict:
     return {"dtype": config.engine_dtype, "block_size": config.block_size, "max_model_len": config.max_model_len,
             "enforce_eager": True, "enable_prompt_tokens_details": True,
             "stream_interval": config.stream_interval_tokens, "max_num_seqs": config.engine_max_num_seqs,
-            "max_num_batched_tokens": group.max_batched_tokens, "scheduling_policy": scheduling_policy(config)}
+            "max_num_batched_tokens": group.max_batched_tokens,
+            "long_prefill_token_threshold": group.long_prefill_tokens, "scheduling_policy": scheduling_policy(config)}
 
 
 def plain_vllm_command(config: AppConfig, port: int) -> list[str]:

@@ -80,13 +80,15 @@ class KVIndexServer:
         """Claim a retained sequence: the caller becomes its only reader or releaser (None: taken already)."""
         return self.index.forget_retained(key)
 
-    async def record_turn(self, records: TurnRecords) -> None:
+    async def record_turn(self, records: TurnRecords) -> tuple[SequenceKey, ...]:
+        """Record the turn, then take its `take_keys`: the keys taken (the caller releases those)."""
         if records.retained is not None:
             self.index.record_retained(records.cache_salt, records.retained, list(records.retained_hashes) or None)
         if records.prefill_hashes:
             self.index.record_prefill(records.prefill_replica_id, list(records.prefill_hashes))
         if records.conversation is not None:
             self.conversations.put(records.conversation, records.session_key)
+        return tuple(key for key in records.take_keys if self.index.forget_retained(key) is not None)
 
     async def match_conversation(self, chain: list[str], last_assistant: int,
                                  session_key: str | None) -> HistoryMatch:

@@ -59,7 +59,7 @@ class DecodeGroup:
 
 class Index(SimpleNamespace):
     """The KV index deployment: `lookup` answers `lookup`, `membership` the engines `members`;
-    `take` succeeds for any key once."""
+    `take` (or `record_turn`'s take_keys) succeeds for any key once."""
 
     def __init__(self, lookup: PrefixLookup | None, members: Membership) -> None:
         taken = set()
@@ -71,7 +71,7 @@ class Index(SimpleNamespace):
             return key
 
         super().__init__(lookup=Remote(lambda _: lookup or PrefixLookup(prefill_cached_tokens={"p0": 0})),
-                         take=Remote(take), record_turn=Remote(),
+                         take=Remote(take), record_turn=Remote(lambda r: tuple(k for k in r.take_keys if take(k))),
                          membership=Remote(lambda _: members))
 
 

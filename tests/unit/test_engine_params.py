@@ -52,19 +52,22 @@ def test_the_engine_scheduler_limits_come_from_the_config_and_the_peers_get_the_
     from app.engine import assign_identity, engine_args
     from benchmarks.peers import plain_vllm_command, serve_llm_pd_args
 
-    config = AppConfig(engine_max_num_seqs=96, prefill=EngineGroupConfig(max_batched_tokens=1024),
-                       decode=EngineGroupConfig(max_batched_tokens=256), later_turns_first=False)
+    config = AppConfig(engine_max_num_seqs=96, later_turns_first=False,
+                       prefill=EngineGroupConfig(max_batched_tokens=1024, long_prefill_tokens=0),
+                       decode=EngineGroupConfig(max_batched_tokens=256, long_prefill_tokens=128))
     args = engine_args(config, config.decode, assign_identity(config, Role.DECODE, 0, "127.0.0.1"))
-    assert (args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy) == (96, 256, "fcfs")
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.long_prefill_token_threshold,
+            args.scheduling_policy) == (96, 256, 128, "fcfs")
     prefill = engine_args(config, config.prefill, assign_identity(config, Role.PREFILL, 0, "127.0.0.1"))
-    assert prefill.max_num_batched_tokens == 1024
+    assert (prefill.max_num_batched_tokens, prefill.long_prefill_token_threshold) == (1024, 0)
     peer = serve_llm_pd_args(config)
-    for group, step_tokens in (("prefill_config", 1024), ("decode_config", 256)):
+    for group, step_tokens, prompt_tokens in (("prefill_config", 1024, 0), ("decode_config", 256, 128)):
         kwargs = peer[group]["engine_kwargs"]
-        assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"], kwargs["scheduling_policy"]) == (
-            96, step_tokens, "fcfs")
+        assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"], kwargs["long_prefill_token_threshold"],
+                kwargs["scheduling_policy"]) == (96, step_tokens, prompt_tokens, "fcfs")
     command = " ".join(plain_vllm_command(config, 8000))
-    assert "--max-num-seqs 96 --max-num-batched-tokens 1024 --scheduling-policy fcfs" in command
+    assert ("--max-num-seqs 96 --max-num-batched-tokens 1024 --long-prefill-token-threshold 0 "
+            "--scheduling-policy fcfs") in command
     assert "--enforce-eager --enable-prompt-tokens-details" in command and "--enable-prefix-caching" in command
 
 

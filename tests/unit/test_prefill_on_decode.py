@@ -114,6 +114,7 @@ def test_a_short_append_to_a_sequence_this_router_recorded_needs_no_index_call()
     assert len(loop.index.lookup.calls) == 1, "only the first turn asked the index"
     assert follow_up.decision.action == Action.PREFILL_ON_DECODE
     assert follow_up.decision.retained == REPLY[-1].retained
-    assert loop.index.take.calls[-1] == ("d0", "r2"), "a near-cache claim is confirmed before the release"
+    assert loop.index.record_turn.calls[-1].take_keys == (("d0", "r2"),), "a near-cache claim is taken, then released"
+    assert loop.groups[Role.PREFILL].release.calls[-1].request_id == "r2"
     _, other = _turn(loop, (1, 2, 3) * 40)
     assert len(loop.index.lookup.calls) == 2 and other.decision.action != Action.PREFILL_ON_DECODE
