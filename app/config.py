@@ -188,11 +188,6 @@ class Placement:
     an offset learned from warm-up turns kept every later turn off decode, and nothing corrected it."""
     explore_within: float = 2.0
     """How much slower (estimated) a side may be and still take an exploring turn."""
-    max_cold_prompts_on_decode: int = 1
-    """Prompts one decode replica computes at once with none of their KV there (first turns, or
-    turns whose history it no longer holds); past it they go to prefill. Each takes up to
-    `long_prefill_tokens` of every step until it is done, and two such chunks filled decode's
-    whole step: the appends behind them, which decode alone can answer from its cache, waited."""
 
     def __post_init__(self) -> None:
         failed = [f"placement.{name} must be >= 0" for name in ("itl_weight", "prior_pull_share",
@@ -206,8 +201,6 @@ class Placement:
             failed.append("placement.cost_refresh_s must be > 0")
         if self.probe_window < 1:
             failed.append("placement.probe_window must be >= 1")
-        if self.max_cold_prompts_on_decode < 0:
-            failed.append("placement.max_cold_prompts_on_decode must be >= 0")
         if failed:
             raise ValueError("invalid config: " + "; ".join(failed))
 

@@ -26,8 +26,6 @@ class TurnJournal:
         """Each prefill replica's latest eviction horizon estimate."""
         self.queued_tokens: Counter[str] = Counter()
         """Prefill tokens this router has sent to each replica and not seen finish: its load."""
-        self.cold_prompts: Counter[str] = Counter()
-        """Prompts each decode replica is computing for this router with none of their KV there."""
 
     def log(self, turn, decision: RoutingDecision, result: PrefillResult,
             measured: dict[str, Any]) -> dict[str, Any]:

@@ -32,9 +32,6 @@ class PlacementPolicy:
     """A side whose calibration no turn has refreshed for `explore_after_s` takes the next turn
     estimated there at most `explore_within` times the other side's: an offset learned once (from
     warm-up turns) would otherwise keep every later turn off decode, and nothing would correct it."""
-    max_cold_prompts: int = 1
-    """Prompts with none of their KV on a decode replica that it computes at once (Placement's
-    max_cold_prompts_on_decode)."""
 
 
 def pull_cost(load: LoadReport, policy: PlacementPolicy) -> float:
@@ -56,22 +53,17 @@ def estimate(prefill_compute: int, pulled: int, decode_compute: int,
                     round(pull_cost(prefill, policy) * 1e6, 3))
 
 
-def decode_allowed(decode_compute: int, decode: LoadReport, policy: PlacementPolicy,
-                   cold_computing: int | None = None) -> bool:
-    """Hard limits, whatever the estimate: the stall a long prompt puts on every stream, a full
-    pool, and for a cold prompt (none of its KV on decode) the cold prompts decode is already
-    computing (`cold_computing`; None: this prompt is not cold)."""
+def decode_allowed(decode_compute: int, decode: LoadReport, policy: PlacementPolicy) -> bool:
+    """Hard limits, whatever the estimate: the stall a long prompt puts on every stream, and a full pool."""
     return (decode_compute <= policy.max_decode_prefill_tokens
-            and decode.kv_cache_usage < policy.kv_high_watermark and decode.compute_s_per_token > 0
-            and (cold_computing is None or cold_computing < policy.max_cold_prompts))
+            and decode.kv_cache_usage < policy.kv_high_watermark and decode.compute_s_per_token > 0)
 
 
 def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[RoutingDecision],
-          load: Callable[[str], LoadReport], queued: Mapping[str, int], cold: Mapping[str, int],
-          calibration: "Calibration", policy: PlacementPolicy) -> RoutingDecision:
+          load: Callable[[str], LoadReport], queued: Mapping[str, int], calibration: "Calibration",
+          policy: PlacementPolicy) -> RoutingDecision:
     """`on_prefill`, or the `on_decode` candidate estimated to answer soonest if sooner than it;
-    `cold`: the cold prompts each decode replica is computing. The chosen decision carries the
-    estimate it won by. Without measured costs on both sides, the
+    the chosen decision carries the estimate it won by. Without measured costs on both sides, the
     fixed rule: a candidate decode retaining the conversation wins."""
     best: RoutingDecision | None = None
     prefill_load = load(on_prefill.prefill_replica_id)
@@ -85,8 +77,7 @@ def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[Routi
             prompt_tokens - on_prefill.tokens_local - on_prefill.pulled_tokens, on_prefill.pulled_tokens,
             decode_compute, prefill_load, decode_load, queued.get(on_prefill.prefill_replica_id, 0),
             queued.get(decode_id, 0), policy))
-        allowed = decode_allowed(decode_compute, decode_load, policy,
-                                 None if candidate.retained else cold.get(decode_id, 0))
+        allowed = decode_allowed(decode_compute, decode_load, policy)
         decode_sooner = sides.decode_sooner
         if allowed and calibration.explore(sides, policy):
             decode_sooner, sides = not decode_sooner, replace(sides, explored=True)

@@ -128,8 +128,7 @@ class TurnLoop:
         self.placement = PlacementPolicy(config.placement.itl_weight,
                                          config.placement.kv_high_watermark, config.max_decode_prefill_tokens,
                                          config.placement.prior_pull_share, config.placement.explore_after_s,
-                                         config.placement.explore_within,
-                                         config.placement.max_cold_prompts_on_decode)
+                                         config.placement.explore_within)
         self.calibrations = {later: Calibration() for later in (False, True)}
         """First turns and later turns fit apart. Fitted together at 64 conversations, a burst of
         first turns (estimated up to 19 s on decode, measured 3 s) left decode's fit predicting 0 ms
@@ -357,8 +356,7 @@ class TurnLoop:
                             tokens_local=0, tokens_pullable=0, threshold=self.placement.max_decode_prefill_tokens,
                             decode_replica_id=r) for r in self.engines.live(Role.DECODE)]
         return place(len(turn.prompt_token_ids), on_prefill, candidates, self.engines.load,
-                     self.journal.queued_tokens, self.journal.cold_prompts, self.calibrations[turn.later],
-                     self.placement)
+                     self.journal.queued_tokens, self.calibrations[turn.later], self.placement)
 
     def _on_decode(self, turn: Turn, lookup: PrefixLookup, policy: PullPolicy,
                    decode_live: list[str]) -> RoutingDecision | None:
@@ -455,9 +453,8 @@ class TurnLoop:
                                 sampling=turn.sampling, handoff=None, target_replica_id=target, retain=on_decode,
                                 priority=turn.priority)
         stream = ledger.open_stream = self._stream(role, request)
-        queued, cold = len(turn.prompt_token_ids) - decision.tokens_local, int(on_decode and decision.retained is None)
+        queued = len(turn.prompt_token_ids) - decision.tokens_local
         self.journal.queued_tokens[target] += queued
-        self.journal.cold_prompts[target] += cold
         try:
             first = await stream.next(self.limits.first_chunk_timeout_s, "first chunk")
         except BaseException:
@@ -465,7 +462,6 @@ class TurnLoop:
             raise
         finally:
             self.journal.queued_tokens[target] -= queued
-            self.journal.cold_prompts[target] -= cold
         ledger.advance(TurnState.DECODING)
         result = PrefillResult(replica_id=target, handoff=None, num_prompt_tokens=len(turn.prompt_token_ids),
                                num_cached_tokens=first.num_cached_tokens or 0, first_chunk=first,

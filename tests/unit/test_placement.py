@@ -54,8 +54,6 @@ def test_hard_limits_keep_a_prompt_off_decode():
     assert not decode_allowed(2049, IDLE, POLICY)
     assert not decode_allowed(100, LoadReport(kv_cache_usage=0.95, compute_s_per_token=COST), POLICY)
     assert not decode_allowed(100, LoadReport(), POLICY)  # not measured yet
-    assert decode_allowed(100, IDLE, POLICY, cold_computing=0) and decode_allowed(100, IDLE, POLICY)
-    assert not decode_allowed(100, IDLE, POLICY, cold_computing=1), "one cold prompt at a time on decode"
 
 
 def test_calibration_learns_an_offset_the_estimates_miss():
@@ -114,19 +112,6 @@ def test_a_first_turn_goes_to_an_idle_decode_while_prefill_is_queued():
     assert prepared.decision.action == Action.PREFILL_ON_DECODE
     assert prepared.decision.reason == Reason.DECODE_SOONER and prepared.decision.decode_replica_id == "d0"
     assert prepared.log_entry["placement"]["prefill_queued_tokens"] == 8192
-    assert loop.journal.cold_prompts["d0"] == 0, "counted while decode computed it, not after"
-
-
-def test_a_first_turn_goes_to_prefill_while_decode_computes_another_cold_prompt():
-    """Two cold prompts' chunks filled decode's whole step: the appends behind them waited."""
-    lookup = PrefixLookup(prefill_cached_tokens={"p0": 0})
-    loop = turn_loop(PREFILLED, DecodeGroup(REPLY), lookup, members=_members(IDLE, IDLE))
-    loop.journal.queued_tokens["p0"] = 8192
-    loop.journal.cold_prompts["d0"] = 1
-    _, prepared = _run(loop)
-    assert prepared.decision.action == Action.RECOMPUTE
-    assert prepared.log_entry["placement"]["on_decode_ms"] < prepared.log_entry["placement"]["on_prefill_ms"], (
-        "decode estimated sooner: only the limit kept the turn off it, and the estimate is logged")
 
 
 def test_first_turns_calibrate_first_turns_only_so_a_burst_of_them_leaves_the_appends_estimates_alone():
