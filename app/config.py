@@ -54,14 +54,14 @@ class EngineGroupConfig:
     on decode that is each stream's next token and each short append's first. A quarter of vLLM's
     CPU default (2048): at 64 conversations here an append on decode waited 1,036 ms for its first
     token with 2048, 306 ms with 512 (two runs; docs/measurements.md). The benchmark's peers get it too."""
-    long_prefill_tokens: int = 256
+    long_prefill_tokens: int = 0
     """The most tokens of one prompt an engine step takes while other requests wait or run (vLLM's
     long_prefill_token_threshold; 0: no cap). Uncapped, a running first turn's chunk takes the
-    whole step budget, and a later turn arriving behind it waits until that prompt is done: vLLM's
-    priority orders the waiting queue, but never takes budget from a running chunk. Half the step
-    here: an append (100-200 tokens) fits beside a first turn's chunk. At 32 conversations an
-    append on decode waited 79 ms in the engine uncapped, 17 ms capped (docs/measurements.md).
-    The benchmark's peers get it too."""
+    whole step budget and an append arriving behind it waits for that prompt to finish (vLLM's
+    priority orders the waiting queue, never a running chunk's budget). Off on purpose: capped at
+    256 of 512, every step at 64 conversations carried two first turns' chunks, and an append on
+    decode took 209-228 ms in its own step against 112-120 uncapped (docs/measurements.md). The
+    benchmark's peers get it too."""
 
 
 @dataclass(frozen=True)
