@@ -59,8 +59,9 @@ class EngineGroupConfig:
     long_prefill_token_threshold; 0: no cap). Uncapped, a running first turn's chunk takes the
     whole step budget and an append arriving behind it waits for that prompt to finish (vLLM's
     priority orders the waiting queue, never a running chunk's budget). Off on purpose: capped at
-    256 of 512, every step at 64 conversations carried two first turns' chunks, and an append on
-    decode took 209-228 ms in its own step against 112-120 uncapped (docs/measurements.md). The
+    256 of 512 on every engine, two first turns' chunks fill a step, and in three full sweeps no
+    target moved for the better; an append on decode at 64 conversations took 222 ms in its own
+    step against 112-120 uncapped at the same machine speed (docs/measurements.md). The
     benchmark's peers get it too."""
 
 
