@@ -380,6 +380,10 @@ class AppConfig:
     later_turns_first: bool = True
     """Engines schedule by priority (vLLM's "priority" policy): a later turn's prompt, a short
     append whose user waits, goes ahead of first turns waiting in the same engine; off: FCFS."""
+    later_turns_before_chunks: bool = True
+    """With `later_turns_first`: in a step where a later turn waits to start, the running chunks of
+    first turns' prompts sit that step out and the later turn takes their place (app/scheduler.py);
+    off, vLLM schedules every running chunk before any waiting request."""
     first_token_from_prefill: bool = True
     """Send the client the first token prefill samples, and let decode continue after it: TTFT
     then excludes decode's KV read and first step. Off, or for requests with stop strings or a

@@ -190,7 +190,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         stream_interval=config.stream_interval_tokens, max_num_seqs=config.engine_max_num_seqs,
         max_num_batched_tokens=group.max_batched_tokens,
         long_prefill_token_threshold=group.long_prefill_tokens,
-        scheduling_policy=scheduling_policy(config),
+        scheduling_policy=scheduling_policy(config), scheduler_cls=scheduler_class(config),
         kv_transfer_config=transfer, worker_extension_cls="app.nixl_poll.NixlPollDelay",
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=identity.engine_events_endpoint)
@@ -206,6 +206,15 @@ def publishes_kv_events(config: AppConfig, role: Role) -> bool:
 def scheduling_policy(config: AppConfig) -> str:
     """vLLM's scheduling policy of every engine (the benchmark's peers' too)."""
     return "priority" if config.later_turns_first else "fcfs"
+
+
+def scheduler_class(config: AppConfig) -> str | None:
+    """vLLM's scheduler class of every engine (the peers' too): app/scheduler.py's, or vLLM's own (None).
+    On the CPU vLLM turns async scheduling off, so the synchronous scheduler is the one it would pick."""
+    if not (config.later_turns_first and config.later_turns_before_chunks):
+        return None
+    return "app.scheduler." + ("LaterTurnsFirstScheduler" if config.device == Device.CPU
+                               else "LaterTurnsFirstAsyncScheduler")
 
 
 def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, Any]):

@@ -20,6 +20,13 @@ HOOKS = [
     ("vllm.v1.core.sched.scheduler:Scheduler.has_unfinished_requests", "takes", ("self",)),
     ("vllm.v1.core.sched.scheduler:Scheduler.has_finished_requests", "takes", ("self",)),
     ("vllm.v1.core.sched.scheduler:Scheduler", "sets", ("finished_req_ids",)),
+    # app/scheduler.py: which running chunks sit a step out, and the caps schedule() admits by.
+    ("vllm.v1.core.sched.scheduler:Scheduler", "sets",
+     ("running", "waiting", "policy", "max_num_running_reqs", "max_num_active_reqs")),
+    ("vllm.v1.core.sched.scheduler:Scheduler.schedule", "reads",
+     ("running", "waiting", "max_num_running_reqs", "max_num_active_reqs")),
+    ("vllm.v1.request:Request", "sets", ("is_prefill_chunk", "priority", "status", "kv_transfer_params")),
+    ("vllm.v1.core.sched.request_queue:RequestQueue.peek_request", "takes", ("self",)),
     ("vllm.v1.engine.async_llm:AsyncLLM.notify_kv_transfer_request_rejected", "takes",
      ("self", "request_id", "kv_transfer_params")),
     # vLLM falls back to its defaults, silently, for extra-config keys it no longer reads.

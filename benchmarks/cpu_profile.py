@@ -16,12 +16,15 @@ ROLES = (("ServeReplica:kvloop:frontend", "frontend"), ("ServeReplica:kvloop:rou
          ("ServeController", "serve controller"), ("raylet", "ray system"), ("gcs_server", "ray system"),
          ("dashboard", "ray system"), ("ray::", "ray system"))
 """Command-line fragments, first match wins."""
+CLIENT_ROLE = "client (benchmark)"
+"""The benchmark's own process: for one system, the same work per reply in every run, so its CPU
+per reply reads how fast the machine ran."""
 
 
 def role_of(process: psutil.Process, own_pid: int) -> str:
     """A process's role; a vLLM engine core (or its worker) takes its owner's role."""
     if process.pid == own_pid:
-        return "client (benchmark)"
+        return CLIENT_ROLE
     try:
         command = " ".join(process.cmdline()) or process.name()
     except psutil.Error:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import httpx
 
 from app.config import AppConfig, EngineGroupConfig
-from app.engine import scheduling_policy
+from app.engine import scheduler_class, scheduling_policy
 from app.engine_process import ENGINE_NICE_ENV
 from app.launch import worker_niceness
 from app.nixl_poll import POLL_DELAY_ENV
@@ -41,7 +41,8 @@ def peer_engine_kwargs(config: AppConfig, group: EngineGroupConfig) -> dict:
             "enforce_eager": True, "enable_prompt_tokens_details": True,
             "stream_interval": config.stream_interval_tokens, "max_num_seqs": config.engine_max_num_seqs,
             "max_num_batched_tokens": group.max_batched_tokens,
-            "long_prefill_token_threshold": group.long_prefill_tokens, "scheduling_policy": scheduling_policy(config)}
+            "long_prefill_token_threshold": group.long_prefill_tokens, "scheduling_policy": scheduling_policy(config),
+            **({"scheduler_cls": cls} if (cls := scheduler_class(config)) else {})}
 
 
 def plain_vllm_command(config: AppConfig, port: int) -> list[str]:

@@ -40,6 +40,8 @@ class Row:
     rendering, streaming hops."""
     concurrency: int = 0
     """Conversations in flight (the concurrency sweep; 0 elsewhere)."""
+    repeat: int = 0
+    """Which of the sweep's interleaved repeats of this level the row ran in (0 elsewhere)."""
     error: str = ""
     """Why the request failed (HTTP status or exception type); its timings are then 0."""
     render_s: float = 0.0
@@ -85,9 +87,9 @@ def later_turn_hit(cached_tokens: int, previous_prompt_tokens: int, block_size: 
 
 def conversations_of(rows: list[Row]) -> list[list[Row]]:
     """Each conversation's rows in turn order."""
-    by_conversation: dict[int, list[Row]] = {}
+    by_conversation: dict[tuple[int, int], list[Row]] = {}
     for r in rows:
-        by_conversation.setdefault(r.conversation, []).append(r)
+        by_conversation.setdefault((r.repeat, r.conversation), []).append(r)
     return [sorted(turns, key=lambda r: r.turn) for turns in by_conversation.values()]
 
 

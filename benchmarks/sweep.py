@@ -12,11 +12,17 @@ Every engine gets the app's engine settings (block size, pool, stream interval, 
 scheduler limits and policy, process priority);
 the plain engine has both cores, each disaggregated engine one.
 
+With `--repeats N` each level runs N times, the systems in turn each time (app, ideal, app,
+ideal, ...), and the summary pools the repeats: on a shared machine a slow minute then falls on
+both systems' halves rather than on one system's whole level. The summary also gives, per repeat,
+the benchmark client's CPU per reply: a system's client does the same work per reply in every run
+(the ideal's, which sends token ids, more than the app's), so it reads how fast the machine ran.
+
 Workload (issue 14): three-turn conversations through the official `openai` client, streaming,
 32-token replies with `ignore_eos`, ~1k-token system prompts, exponential think time (1 s mean).
 
     python -m benchmarks.sweep [--concurrency 1,4,16,32,64] [--systems app ideal vllm serve-llm]
-                               [--set later_turns_first=false ...]
+                               [--repeats 2] [--set later_turns_first=false ...]
 """
 
 import argparse
@@ -24,6 +30,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
@@ -35,7 +42,7 @@ from app.client import TurnResult, chat_turn, completion_turn
 from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
 from app.turn import turn_priority
-from benchmarks.cpu_profile import snapshot, spent_since
+from benchmarks.cpu_profile import CLIENT_ROLE, snapshot, spent_since
 from benchmarks.multi_turn import app_decisions, rows_of
 from benchmarks.report import Row, ideal_tokens, later_hit_share, percentile
 from benchmarks.workload import ConversationPlan, Profile, load_tokenizer, openai_client, plan_conversation
@@ -64,8 +71,13 @@ class CpuUse:
 
     system: str
     concurrency: int
+    repeat: int
     replies: int
     seconds_by_role: dict[str, float]
+
+    @property
+    def client_ms_per_reply(self) -> float:
+        return self.seconds_by_role.get(CLIENT_ROLE, 0.0) * 1e3 / max(self.replies, 1)
 
 
 def _error_of(exc: Exception) -> str:
@@ -133,15 +145,16 @@ def drive_prompts(url: str, conversations: list[ConversationPlan], prompts: list
         return list(pool.map(run, range(len(conversations))))
 
 
-def rows_for(system: str, level: int, conversations: list[Conversation], decisions: dict,
+def rows_for(system: str, level: int, repeat: int, conversations: list[Conversation], decisions: dict,
              bytes_per_token: int) -> list[Row]:
     from benchmarks.multi_turn import SystemRun
 
     run = SystemRun(system, turns=[c.turns for c in conversations])
-    rows = [Row(**{**asdict(r), "concurrency": level}) for r in rows_of(f"c{level}", run, decisions, {},
-                                                                          bytes_per_token)]
+    rows = [Row(**{**asdict(r), "concurrency": level, "repeat": repeat})
+            for r in rows_of(f"c{level}", run, decisions, {}, bytes_per_token)]
     failed = [Row(f"c{level}", system, i, len(c.turns) + 1, c.failed_at, 0, 0, 0, 0, 0.0, 0.0, 0.0, "", 0, 0,
-                  0.0, 0.0, 0.0, concurrency=level, error=c.error) for i, c in enumerate(conversations) if c.error]
+                  0.0, 0.0, 0.0, concurrency=level, repeat=repeat, error=c.error)
+              for i, c in enumerate(conversations) if c.error]
     return rows + failed
 
 
@@ -164,7 +177,7 @@ class LevelSummary:
     def of(cls, rows: list[Row], block_size: int) -> "LevelSummary":
         ok = [r for r in rows if not r.error]
         later = [r.ttft_s for r in ok if r.turn > 1]
-        wall = max(r.started_s + r.e2e_s for r in ok) - min(r.started_s for r in ok)
+        wall = sum(_wall_s([r for r in ok if r.repeat == repeat]) for repeat in {r.repeat for r in ok})
         bursts = [r for r in ok if r.completion_tokens > 1]
         return cls(statistics.median(r.ttft_s for r in ok if r.turn == 1), statistics.median(later),
                    percentile(later, 99), statistics.median(r.itl_s for r in ok), len(ok) / wall,
@@ -172,6 +185,11 @@ class LevelSummary:
                    sum(r.itl_s * (r.completion_tokens - 1) <= BURST_S for r in bursts) / max(len(bursts), 1),
                    later_hit_share(ok, block_size), sum(r.prefilled_tokens for r in ok) / ideal_tokens(ok),
                    len(rows) - len(ok))
+
+
+def _wall_s(rows: list[Row]) -> float:
+    """From the first request sent to the last reply's end, in one drive of one system."""
+    return max(r.started_s + r.e2e_s for r in rows) - min(r.started_s for r in rows)
 
 
 TARGETS = {"later_p50": ("ideal", 1.5, "<="), "later_p99": ("ideal", 2.0, "<="), "first_p50": ("ideal", 1.5, "<="),
@@ -218,14 +236,38 @@ def summarize(rows: list[Row], config: AppConfig) -> str:
 
 
 def cpu_lines(cpu: list[CpuUse]) -> str:
-    """CPU milliseconds per reply by process role, at each system's highest level."""
+    """CPU milliseconds per reply by process role, at each system's highest level (repeats pooled)."""
     top = max(c.concurrency for c in cpu)
     lines = [f"CPU ms per reply by process role at {top} conversations (2 cores: CPU is what binds):", ""]
-    for c in (c for c in cpu if c.concurrency == top):
-        per_reply = {role: seconds * 1e3 / max(c.replies, 1) for role, seconds in c.seconds_by_role.items()}
+    for system in dict.fromkeys(c.system for c in cpu):
+        runs = [c for c in cpu if c.concurrency == top and c.system == system]
+        replies, seconds = sum(c.replies for c in runs), Counter()
+        for c in runs:
+            seconds.update(c.seconds_by_role)
+        per_reply = {role: s * 1e3 / max(replies, 1) for role, s in seconds.most_common()}
         parts = ", ".join(f"{role} {ms:.1f}" for role, ms in per_reply.items())
-        total = sum(per_reply.values())
-        lines.append(f"- {c.system}: {total:.1f} in all: {parts}")
+        lines.append(f"- {system}: {sum(per_reply.values()):.1f} in all: {parts}")
+    return "\n".join(lines)
+
+
+def machine_lines(rows: list[Row], cpu: list[CpuUse], config: AppConfig) -> str:
+    """Per level and repeat: how fast the machine ran for each system (the client's CPU per reply)
+    and the app's ratios over the ideal in that repeat alone."""
+    lines = ["Each repeat alone: the benchmark client's CPU ms per reply (a system's client does the same work "
+             "per reply in every run: higher, a slower machine) and, where both ran, the app over the ideal "
+             "(later p50 / p99, turn-1 p50, tokens/s):", ""]
+    for level in sorted({c.concurrency for c in cpu}):
+        for repeat in sorted({c.repeat for c in cpu}):
+            runs = [c for c in cpu if c.concurrency == level and c.repeat == repeat]
+            line = f"- {level} conversations, repeat {repeat}: client " + ", ".join(
+                f"{c.system} {c.client_ms_per_reply:.1f}" for c in runs)
+            group = {s: [r for r in rows if r.system == s and r.concurrency == level and r.repeat == repeat]
+                     for s in ("app", "ideal")}
+            if all(group.values()):
+                app, ideal = (LevelSummary.of(group[s], config.block_size) for s in ("app", "ideal"))
+                line += (f"; app / ideal {app.later_p50 / ideal.later_p50:.2f} / {app.later_p99 / ideal.later_p99:.2f}"
+                         f", {app.first_p50 / ideal.first_p50:.2f}, {app.tokens_per_s / ideal.tokens_per_s:.2f}x")
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -281,18 +323,18 @@ def write(rows: list[Row], cpu: list[CpuUse], summary: str, config: AppConfig, o
 
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist([asdict(r) for r in rows]), out / "rows.parquet")
-    pq.write_table(pa.Table.from_pylist([{"system": c.system, "concurrency": c.concurrency, "replies": c.replies,
-                                          "role": role, "cpu_s": seconds}
+    pq.write_table(pa.Table.from_pylist([{"system": c.system, "concurrency": c.concurrency, "repeat": c.repeat,
+                                          "replies": c.replies, "role": role, "cpu_s": seconds}
                                          for c in cpu for role, seconds in c.seconds_by_role.items()]),
                    out / "cpu.parquet")
     (out / "summary.md").write_text(summary + "\n")
     plot(rows, config.block_size, out)
 
 
-def sweep(levels: list[int], systems: list[str], config: AppConfig,
+def sweep(levels: list[int], repeats: int, systems: list[str], config: AppConfig,
           peer_config: AppConfig) -> tuple[list[Row], list[CpuUse]]:
     """Start every system once (the peers' engines from `peer_config`), then at each level drive
-    each in turn (the app first: the ideal replays its prompts)."""
+    each in turn (the app first: the ideal replays its prompts), `repeats` times."""
     from app.launch import replace_app, start_serve
     from benchmarks.multi_turn import warm_up
     from benchmarks.peers import plain_vllm, serve_llm_pd
@@ -314,13 +356,15 @@ def sweep(levels: list[int], systems: list[str], config: AppConfig,
         rows: list[Row] = []
         cpu: list[CpuUse] = []
         for level in levels:
-            rows += run_level(level, systems, urls, tokenizer, config, cpu)
+            for repeat in range(repeats):
+                rows += run_level(level, repeat, systems, urls, tokenizer, config, cpu)
             print(f"{level} conversations done", file=sys.stderr)
     return rows, cpu
 
 
-def run_level(level: int, systems: list[str], urls: dict[str, str], tokenizer, config: AppConfig,
+def run_level(level: int, repeat: int, systems: list[str], urls: dict[str, str], tokenizer, config: AppConfig,
               cpu: list[CpuUse]) -> list[Row]:
+    """Every system in turn on new conversations (the ideal on the app's)."""
     rows: list[Row] = []
     app_plans: list[ConversationPlan] = []
     prompts: list[list[list[int]]] | None = None
@@ -334,9 +378,9 @@ def run_level(level: int, systems: list[str], urls: dict[str, str], tokenizer, c
         else:
             conversations = plans(tokenizer, level, system)
             done = drive_chat(urls[system], conversations, {"model": config.model_name, **APP_EXTRA.get(system, {})})
-        cpu.append(CpuUse(system, level, sum(len(c.turns) for c in done), spent_since(before)))
+        cpu.append(CpuUse(system, level, repeat, sum(len(c.turns) for c in done), spent_since(before)))
         decisions = app_decisions(urls[system]) if system in APP_EXTRA else {}
-        rows += rows_for(system, level, done, decisions, bytes_per_token if system in APP_EXTRA else 0)
+        rows += rows_for(system, level, repeat, done, decisions, bytes_per_token if system in APP_EXTRA else 0)
         if system == "app":
             app_plans, prompts = conversations, [[r.prompt_ids for _, r in c.turns] for c in done]
     return rows
@@ -353,6 +397,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,4,16,32,64", help="comma-separated conversation counts")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each level, the systems in turn each time, pooled in the summary")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                         help="a config value for the app and every peer (dotted keys, as Serve args), e.g. "
                              "later_turns_first=false; repeatable")
@@ -364,8 +410,10 @@ def main() -> None:
     args = parser.parse_args()
     config = load_config({"max_model_len": "4096", **dict(args.set)})
     peer_config = load_config({"max_model_len": "4096", **dict(args.set), **dict(args.peer_set)})
-    rows, cpu = sweep([int(n) for n in args.concurrency.split(",")], args.systems, config, peer_config)
-    summary = summarize(rows, config) + "\n\n" + cpu_lines(cpu)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    rows, cpu = sweep([int(n) for n in args.concurrency.split(",")], args.repeats, args.systems, config, peer_config)
+    summary = "\n\n".join((summarize(rows, config), machine_lines(rows, cpu, config), cpu_lines(cpu)))
     print(summary, flush=True)
     write(rows, cpu, summary, config, args.out)
     print(f"rows, summary and plot in {args.out}")

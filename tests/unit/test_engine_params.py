@@ -69,6 +69,23 @@ def test_the_engine_scheduler_limits_come_from_the_config_and_the_peers_get_the_
     assert ("--max-num-seqs 96 --max-num-batched-tokens 1024 --long-prefill-token-threshold 0 "
             "--scheduling-policy fcfs") in command
     assert "--enforce-eager --enable-prompt-tokens-details" in command and "--enable-prefix-caching" in command
+    assert args.scheduler_cls is None and "--scheduler-cls" not in command, "FCFS: vLLM's own scheduler"
+
+
+def test_every_engine_and_peer_schedules_later_turns_before_running_chunks():
+    from app.config import AppConfig
+    from app.engine import assign_identity, engine_args
+    from benchmarks.peers import plain_vllm_command, serve_llm_pd_args
+
+    config = AppConfig()
+    ours = "app.scheduler.LaterTurnsFirstScheduler"
+    for role, group in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode)):
+        assert engine_args(config, group, assign_identity(config, role, 0, "127.0.0.1")).scheduler_cls == ours
+    assert f"--scheduler-cls {ours}" in " ".join(plain_vllm_command(config, 8000))
+    assert all(serve_llm_pd_args(config)[group]["engine_kwargs"]["scheduler_cls"] == ours
+               for group in ("prefill_config", "decode_config"))
+    off = AppConfig(later_turns_before_chunks=False)
+    assert engine_args(off, off.decode, assign_identity(off, Role.DECODE, 0, "127.0.0.1")).scheduler_cls is None
 
 
 def test_a_request_waiting_on_a_dead_engine_fails_at_once_and_a_cancelled_one_cancels_its_read():
