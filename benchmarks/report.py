@@ -85,6 +85,11 @@ def later_turn_hit(cached_tokens: int, previous_prompt_tokens: int, block_size: 
     return cached_tokens >= previous_prompt_tokens // block_size * block_size > 0
 
 
+def wall_s(rows: list[Row]) -> float:
+    """From the first request sent to the last reply's end, in one drive of one system."""
+    return max(r.started_s + r.e2e_s for r in rows) - min(r.started_s for r in rows)
+
+
 def conversations_of(rows: list[Row]) -> list[list[Row]]:
     """Each conversation's rows in turn order."""
     by_conversation: dict[tuple[int, int], list[Row]] = {}
@@ -117,7 +122,7 @@ class SystemSummary:
     @classmethod
     def of(cls, rows: list[Row], block_size: int) -> "SystemSummary":
         later = [r for r in rows if r.turn > 1]
-        wall = max(r.started_s + r.e2e_s for r in rows) - min(r.started_s for r in rows)
+        wall = wall_s(rows)
         return cls(statistics.median(r.ttft_s for r in rows if r.turn == 1), statistics.median(r.ttft_s for r in later),
                    percentile([r.ttft_s for r in later], 95), statistics.median(r.itl_s for r in rows),
                    sum(r.prefilled_tokens for r in rows) / ideal_tokens(rows),

@@ -44,7 +44,7 @@ from app.metrics import kv_bytes_per_token
 from app.turn import turn_priority
 from benchmarks.cpu_profile import CLIENT_ROLE, snapshot, spent_since
 from benchmarks.multi_turn import app_decisions, rows_of
-from benchmarks.report import Row, ideal_tokens, later_hit_share, percentile
+from benchmarks.report import Row, ideal_tokens, later_hit_share, percentile, wall_s
 from benchmarks.workload import ConversationPlan, Profile, load_tokenizer, openai_client, plan_conversation
 
 SYSTEMS = ("app", "app-fixed", "ideal", "vllm", "serve-llm")
@@ -177,7 +177,7 @@ class LevelSummary:
     def of(cls, rows: list[Row], block_size: int) -> "LevelSummary":
         ok = [r for r in rows if not r.error]
         later = [r.ttft_s for r in ok if r.turn > 1]
-        wall = sum(_wall_s([r for r in ok if r.repeat == repeat]) for repeat in {r.repeat for r in ok})
+        wall = sum(wall_s([r for r in ok if r.repeat == repeat]) for repeat in {r.repeat for r in ok})
         bursts = [r for r in ok if r.completion_tokens > 1]
         return cls(statistics.median(r.ttft_s for r in ok if r.turn == 1), statistics.median(later),
                    percentile(later, 99), statistics.median(r.itl_s for r in ok), len(ok) / wall,
@@ -185,11 +185,6 @@ class LevelSummary:
                    sum(r.itl_s * (r.completion_tokens - 1) <= BURST_S for r in bursts) / max(len(bursts), 1),
                    later_hit_share(ok, block_size), sum(r.prefilled_tokens for r in ok) / ideal_tokens(ok),
                    len(rows) - len(ok))
-
-
-def _wall_s(rows: list[Row]) -> float:
-    """From the first request sent to the last reply's end, in one drive of one system."""
-    return max(r.started_s + r.e2e_s for r in rows) - min(r.started_s for r in rows)
 
 
 TARGETS = {"later_p50": ("ideal", 1.5, "<="), "later_p99": ("ideal", 2.0, "<="), "first_p50": ("ideal", 1.5, "<="),
