@@ -13,7 +13,8 @@ SCHEMA = {"scenario": "string", "system": "string", "conversation": "int64", "tu
           "completion_tokens": "int64", "cached_tokens": "int64", "prefilled_tokens": "int64", "ttft_s": "double",
           "itl_s": "double", "e2e_s": "double", "decision": "string", "pulled_tokens": "int64", "pulled_bytes": "int64",
           "plan_s": "double", "prefill_s": "double", "decode_first_s": "double", "concurrency": "int64",
-          "error": "string", "render_s": "double", "engine_wait_s": "double", "engine_step_s": "double"}
+          "repeat": "int64", "error": "string", "render_s": "double", "engine_wait_s": "double",
+          "engine_step_s": "double"}
 
 
 def test_ci_preset_writes_stable_results_and_later_turns_are_cheaper(base_url, app_config, tmp_path):
