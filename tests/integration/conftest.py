@@ -5,6 +5,8 @@ token prefill does not compute came from a reverse pull. The reference engine is
 engine without disaggregation: the oracle for generated token ids.
 """
 
+import os
+
 import httpx
 import pytest
 import ray
@@ -17,16 +19,21 @@ from app.tools.oracle import start_reference
 
 SYSTEM_PROMPT = "You are a helpful assistant. " + " ".join(
     f"Rule {i}: the router keeps an index of which replica holds which blocks, and until when." for i in range(30))
+INGRESS_DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 USER_TURNS = ["What is the capital of France?", "Summarise section two.", "List the risks.",
               "Explain the trade off."]
 
 
 def pytest_collection_modifyitems(items):
     """Cluster tests run first, before the shared app starts: they run a multi-node Ray of their own
-    and would share 2 cores with it. Fault tests run last: they kill parts of the shared app
-    (which comes back whole after each)."""
-    items.sort(key=lambda item: (item.get_closest_marker("cluster") is None) + (item.get_closest_marker("faults")
-                                                                                 is not None))
+    and would share 2 cores with it. Then the tests on the session's app, its fault tests after them
+    (they kill parts of it, which comes back whole after each), and last the tests that replace it
+    with an app of their own (`own_app`), module by module: none has to put the session's app back."""
+    def stage(item) -> int:
+        return (0 if item.get_closest_marker("cluster") else 3 if item.get_closest_marker("own_app")
+                else 2 if item.get_closest_marker("faults") else 1)
+
+    items.sort(key=stage)
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +49,9 @@ def app_config(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def base_url(app_config):
+    # Serve keeps a stopping ingress replica reachable 30 s so that external load balancers can
+    # deregister it; the `own_app` tests delete the whole app four times and send nothing to it meanwhile.
+    os.environ.setdefault(INGRESS_DRAIN_ENV, "1")
     yield start_local(app_config)
     stop_local()
 

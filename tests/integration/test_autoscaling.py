@@ -6,7 +6,7 @@ that may grow from 1 to 2 replicas and small router bounds.
   every later turn pulls its history from decode with every token equal to one plain vLLM engine's.
 - Admission: past the router's queue bound a request gets 503 with Retry-After in the OpenAI error
   shape, and every admitted one streams whole.
-Replaces the session's app for its run and restores it after."""
+Replaces the session's app (own_app: after every test on it)."""
 
 import itertools
 import json
@@ -26,7 +26,7 @@ from app.hashing import common_prefix_len
 from app.launch import APP_NAME, replace_app
 from tests.integration.conftest import SYSTEM_PROMPT, USER_TURNS, decisions_by_request, reference_ids, run_conversation
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_app]
 MAX_TOKENS = 16
 CONVERSATION_THREADS = 2
 LOAD_THREADS = 2
@@ -133,8 +133,7 @@ def autoscaled_prefill(base_url, app_config):
     started = time.monotonic()
     replace_app(config)
     print(f"app with autoscaled prefill started in {time.monotonic() - started:.0f} s")
-    yield config
-    replace_app(app_config)
+    return config
 
 
 def test_prefill_scales_out_under_load_and_back_when_idle_and_conversations_keep_their_reuse(

@@ -1,6 +1,7 @@
 """Real faults through the real app: a replica killed, an engine process SIGKILLed, the KV index
 killed, a router replica killed, a client gone mid-stream; every answered turn is checked against
-one plain vLLM engine. Runs last (the app is made whole again after each fault)."""
+one plain vLLM engine. Runs after the other tests on the session's app (the app is made whole again
+after each fault); the router tests replace it with two router replicas (own_app)."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -105,6 +106,7 @@ def two_routers_small_decode_pool(app_config, base_url):
     return config
 
 
+@pytest.mark.own_app
 def test_a_router_replica_killed_mid_reply_loses_no_reply_and_no_conversation(two_routers_small_decode_pool,
                                                                                base_url, reference):
     """Four long replies stream through two router replicas (two each: Serve balances them); one
@@ -146,6 +148,7 @@ def test_a_router_replica_killed_mid_reply_loses_no_reply_and_no_conversation(tw
         faults.wait_whole(base_url, gone=(hit,))
 
 
+@pytest.mark.own_app
 def test_retained_sequences_yield_the_decode_pool_to_new_requests(two_routers_small_decode_pool, base_url,
                                                                   reference):
     """Ten conversations retain more than the pool holds: the oldest retained sequences are

@@ -1,6 +1,6 @@
 """Routing across replicas: two prefill replicas (prefix caching on) and one decode replica, seven
 concurrent three-turn conversations per policy; then one prefill replica whose cache is never
-trusted. Runs last: it replaces the session's app."""
+trusted. Replaces the session's app (own_app: after every test on it)."""
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -20,7 +20,7 @@ from tests.integration.conftest import (
     run_conversation,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_app]
 CONVERSATIONS = 7
 """Odd: when the conversations' turns arrive in lockstep, round robin over two replicas then
 sends each turn to the other replica than the last (with eight it sent each to the same one)."""
