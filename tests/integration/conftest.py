@@ -19,9 +19,9 @@ from app.tools.oracle import start_reference
 
 SYSTEM_PROMPT = "You are a helpful assistant. " + " ".join(
     f"Rule {i}: the router keeps an index of which replica holds which blocks, and until when." for i in range(30))
-INGRESS_DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 USER_TURNS = ["What is the capital of France?", "Summarise section two.", "List the risks.",
               "Explain the trade off."]
+INGRESS_DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 
 
 def pytest_collection_modifyitems(items):
