@@ -25,7 +25,7 @@ class TurnJournal:
         self.horizons: dict[str, float] = {}
         """Each prefill replica's latest eviction horizon estimate."""
         self.queued_tokens: Counter[str] = Counter()
-        """Prefill tokens this router has sent to each replica and not seen finish: its load."""
+        """Prompt tokens this router has sent each replica to compute (not to pull), not yet finished: its load."""
 
     def log(self, turn, decision: RoutingDecision, result: PrefillResult,
             measured: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ the first token sooner, from both sides' live load and each engine's measured co
     on decode D  = (queued_D + to compute on D) x compute_D + itl_weight x running_D x (to compute) x compute_D
     each side then calibrated against measured turns: slope x estimate + offset (`Calibration`)
 
-queued: prompt tokens this router has sent to the replica and not yet seen answered; running:
+queued: prompt tokens this router has sent the replica to compute and not yet seen answered; running:
 decode's streams, which stall while it computes a prompt (the itl_weight term charges for them);
 compute and pull: seconds per token, measured by each engine (LoadReport). A decode replica whose
 KV pool is fuller than the watermark, or a prompt longer than the cap, stays off decode.

@@ -423,7 +423,7 @@ class TurnLoop:
                                  prompt_token_ids=turn.prompt_token_ids, cache_salt=turn.cache_salt,
                                  target_replica_id=decision.prefill_replica_id, pull=decision.pull,
                                  first_token=self._first_token_settings(turn), priority=turn.priority)
-        load = len(turn.prompt_token_ids) - decision.tokens_local
+        load = len(turn.prompt_token_ids) - decision.tokens_local - decision.pulled_tokens
         self.journal.queued_tokens[decision.prefill_replica_id] += load
         try:
             gone = partial(self.engines.gone, Role.PREFILL, request.target_replica_id)

@@ -14,11 +14,12 @@ from app.protocol import (
     Reason,
     ReplyChunk,
     RetainedMatch,
+    Role,
     SamplingSettings,
 )
 from app.turn import Turn
 from tests.factories import handoff, retained
-from tests.fakes import DecodeGroup, run_turn, turn_loop
+from tests.fakes import DecodeGroup, Remote, run_turn, turn_loop
 
 POLICY = PlacementPolicy(itl_weight=0.05, kv_high_watermark=0.9, max_decode_prefill_tokens=2048,
                          prior_pull_share=0.05)
@@ -132,21 +133,39 @@ def test_a_first_turn_stays_on_prefill_when_decode_is_busy_or_costs_are_unknown(
         assert prepared.decision.action == Action.RECOMPUTE
 
 
-def test_a_short_append_goes_through_prefill_when_decode_is_the_busy_side():
-    history = list(PROMPT)
-    prompt = (*PROMPT, *range(2000, 2064))
+APPENDED = (*PROMPT, *range(2000, 2064))
+"""A 64-token append to PROMPT, which decode d0 retains."""
+QUIET = LoadReport(compute_s_per_token=COST, pull_s_per_token=1e-7)
+
+
+def _append_loop(decode: LoadReport):
     lookup = PrefixLookup(prefill_cached_tokens={"p0": 0},
-                          retained=RetainedMatch(retained(history, time.time() + 60, replica_id="d0"),
-                                                 len(history) // 32))
-    busy = LoadReport(num_running_reqs=64, compute_s_per_token=COST, pull_s_per_token=1e-7)
-    quiet = LoadReport(compute_s_per_token=COST, pull_s_per_token=1e-7)
-    loop = turn_loop(PREFILLED, DecodeGroup(REPLY), lookup, members=_members(quiet, busy))
+                          retained=RetainedMatch(retained(list(PROMPT), time.time() + 60, replica_id="d0"),
+                                                 len(PROMPT) // 32))
+    return turn_loop(PREFILLED, DecodeGroup(REPLY), lookup, members=_members(QUIET, decode))
+
+
+def _busy_decode_loop():
+    loop = _append_loop(LoadReport(num_running_reqs=64, compute_s_per_token=COST, pull_s_per_token=1e-7))
     loop.journal.queued_tokens["d0"] = 20000  # decode is computing other turns' prompts
-    _, prepared = _run(loop, prompt)
+    return loop
+
+
+def test_a_short_append_goes_through_prefill_when_decode_is_the_busy_side():
+    _, prepared = _run(_busy_decode_loop(), APPENDED)
     assert prepared.decision.action == Action.PULL and prepared.decision.placement is not None
-    idle_decode = turn_loop(PREFILLED, DecodeGroup(REPLY), lookup, members=_members(quiet, quiet))
-    _, prepared = _run(idle_decode, prompt)
+    _, prepared = _run(_append_loop(QUIET), APPENDED)
     assert prepared.decision.action == Action.PREFILL_ON_DECODE and prepared.decision.reason == Reason.SHORT_APPEND
+
+
+def test_a_pull_queues_on_prefill_only_the_tokens_it_computes():
+    """Counting the pulled tokens as queued compute (1,024 here, against 64 computed) made one
+    in-flight pull look like a first turn's prefill to every turn placed behind it."""
+    loop, queued = _busy_decode_loop(), []
+    loop.groups[Role.PREFILL].prefill = Remote(lambda _: queued.append(loop.journal.queued_tokens["p0"]) or PREFILLED)
+    _, prepared = _run(loop, APPENDED)
+    assert prepared.decision.action == Action.PULL and prepared.decision.pulled_tokens == len(PROMPT)
+    assert queued == [len(APPENDED) - len(PROMPT)] and loop.journal.queued_tokens["p0"] == 0
 
 
 def test_engines_measure_their_costs_from_vllm_s_own_stats():
