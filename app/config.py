@@ -183,16 +183,14 @@ class Placement:
     probe_window: int = 60
     """The least of an engine's last this many probes is its compute cost (60: ten minutes of an
     idle engine's probes): a probe timed while other processes loaded the machine reads high."""
-    explore_after_s: float = 10.0
-    """A side whose calibration no placed turn has refreshed for this long takes the next turn
-    estimated there at most `explore_within` times the other side's (one turn, logged as explored):
-    an offset learned from warm-up turns kept every later turn off decode, and nothing corrected it."""
-    explore_within: float = 2.0
-    """How much slower (estimated) a side may be and still take an exploring turn."""
+    calibration_ttl_s: float = 10.0
+    """A side's calibration (app/placement.py) that no turn has refreshed for this long is
+    forgotten, and the side's turns are estimated by the formula alone until one comes back: a fit
+    learned under one load otherwise stands through the next and keeps turns off its side."""
 
     def __post_init__(self) -> None:
         failed = [f"placement.{name} must be >= 0" for name in ("itl_weight", "prior_pull_share",
-                                                                 "cost_refresh_quiet_s", "explore_after_s")
+                                                                 "cost_refresh_quiet_s", "calibration_ttl_s")
                   if getattr(self, name) < 0]
         if not 0 < self.kv_high_watermark <= 1:
             failed.append("placement.kv_high_watermark must lie in (0, 1]")

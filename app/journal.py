@@ -7,6 +7,8 @@ import json
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from app.conversations import RenderDiagnostics
@@ -26,6 +28,20 @@ class TurnJournal:
         """Each prefill replica's latest eviction horizon estimate."""
         self.queued_tokens: Counter[str] = Counter()
         """Prompt tokens this router has sent each replica to compute (not to pull), not yet finished: its load."""
+        self.queued_later_tokens: Counter[str] = Counter()
+        """The later turns' part of it: with later turns first, all an engine runs before a later turn."""
+
+    @contextmanager
+    def queued(self, replica_id: str, tokens: int, later: bool) -> Iterator[None]:
+        """Counts `tokens` as queued on the replica while the block runs."""
+        counters = (self.queued_tokens, self.queued_later_tokens) if later else (self.queued_tokens,)
+        for counter in counters:
+            counter[replica_id] += tokens
+        try:
+            yield
+        finally:
+            for counter in counters:
+                counter[replica_id] -= tokens
 
     def log(self, turn, decision: RoutingDecision, result: PrefillResult,
             measured: dict[str, Any]) -> dict[str, Any]:

@@ -6,10 +6,12 @@ the first token sooner, from both sides' live load and each engine's measured co
     on decode D  = (queued_D + to compute on D) x compute_D + itl_weight x running_D x (to compute) x compute_D
     each side then calibrated against measured turns: slope x estimate + offset (`Calibration`)
 
-queued: prompt tokens this router has sent the replica to compute and not yet seen answered; running:
-decode's streams, which stall while it computes a prompt (the itl_weight term charges for them);
-compute and pull: seconds per token, measured by each engine (LoadReport). A decode replica whose
-KV pool is fuller than the watermark, or a prompt longer than the cap, stays off decode.
+queued: prompt tokens this router has sent the replica to compute and not yet seen answered, of
+the turns that run before this one (for a later turn only later turns': engines take them before
+first turns' prompts, app/scheduler.py); running: decode's streams, which stall while it computes
+a prompt (the itl_weight term charges for them); compute and pull: seconds per token, measured by
+each engine (LoadReport). A decode replica whose KV pool is fuller than the watermark, or a prompt
+longer than the cap, stays off decode.
 """
 
 import time
@@ -27,11 +29,6 @@ class PlacementPolicy:
     max_decode_prefill_tokens: int
     prior_pull_share: float
     """Before an engine has pulled anything: a pulled token costs this share of a computed one."""
-    explore_after_s: float = 10.0
-    explore_within: float = 2.0
-    """A side whose calibration no turn has refreshed for `explore_after_s` takes the next turn
-    estimated there at most `explore_within` times the other side's: an offset learned once (from
-    warm-up turns) would otherwise keep every later turn off decode, and nothing would correct it."""
 
 
 def pull_cost(load: LoadReport, policy: PlacementPolicy) -> float:
@@ -77,11 +74,7 @@ def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[Routi
             prompt_tokens - on_prefill.tokens_local - on_prefill.pulled_tokens, on_prefill.pulled_tokens,
             decode_compute, prefill_load, decode_load, queued.get(on_prefill.prefill_replica_id, 0),
             queued.get(decode_id, 0), policy))
-        allowed = decode_allowed(decode_compute, decode_load, policy)
-        decode_sooner = sides.decode_sooner
-        if allowed and calibration.explore(sides, policy):
-            decode_sooner, sides = not decode_sooner, replace(sides, explored=True)
-        if allowed and decode_sooner and (
+        if decode_allowed(decode_compute, decode_load, policy) and sides.decode_sooner and (
                 best is None or best.placement is None or sides.on_decode_ms < best.placement.on_decode_ms):
             best = replace(candidate, placement=sides)
         elif best is None:
@@ -96,29 +89,19 @@ class Calibration:
     the slope, what scales with it (batching with other requests, cores shared with other
     processes). An offset alone, learned from a mix of long first turns and short appends, carried
     the first turns' errors onto the appends: at 64 conversations it reached -300 ms, and every
-    append looked free on both sides."""
+    append looked free on both sides.
 
-    def __init__(self, alpha: float = 0.05, slope_range: tuple[float, float] = (0.25, 4.0),
+    A side's fit that no turn has refreshed for `ttl_s` is forgotten: its turns are estimated by
+    the formula alone until one comes back. A fit learned under one load stood through the next and
+    kept turns off its side, so nothing measured it again: at 64 conversations prefill's appends kept
+    a +361 ms offset from the burst before, all 128 later turns went to decode, and they queued
+    there; earlier, an offset learned from warm-up turns kept every later turn off decode."""
+
+    def __init__(self, ttl_s: float = 10.0, alpha: float = 0.05, slope_range: tuple[float, float] = (0.25, 4.0),
                  min_spread_ms: float = 10.0) -> None:
-        self.fits = {side: _LineFit(alpha, slope_range, min_spread_ms) for side in ("prefill", "decode")}
+        self.ttl_s, self._fit_args = ttl_s, (alpha, slope_range, min_spread_ms)
+        self.fits = {side: _LineFit(*self._fit_args) for side in ("prefill", "decode")}
         self.observed_at: dict[str, float] = {}
-
-    def explore(self, sides: Estimate, policy: PlacementPolicy) -> bool:
-        """Should the side estimated slower take this turn? Yes when its fit has learned something
-        that no turn has checked for `policy.explore_after_s` and it is close enough to be worth it,
-        for one turn: the side counts as checked from then on. (Checked only when the turn's time
-        came back, a burst of 64 first turns placed before any came back all explored: 42 of them
-        went to decode, estimated up to twice as slow, and waited 2.3 s against prefill's 1.4 s.)"""
-        if sides.decode_sooner:
-            slower, slower_ms, sooner_ms = "prefill", sides.on_prefill_ms, sides.on_decode_ms
-        else:
-            slower, slower_ms, sooner_ms = "decode", sides.on_decode_ms, sides.on_prefill_ms
-        seen, now = self.observed_at.get(slower), time.monotonic()
-        due = (seen is not None and now - seen > policy.explore_after_s
-               and slower_ms <= policy.explore_within * max(sooner_ms, 1.0))
-        if due:
-            self.observed_at[slower] = now
-        return due
 
     def observe(self, placed: Estimate, on_decode: bool, measured_ms: float) -> None:
         """`placed`: the corrected estimate the turn was placed by; `measured_ms`: plan to first chunk."""
@@ -129,11 +112,18 @@ class Calibration:
         self.fits[side].add(raw, measured_ms)
 
     def corrected(self, raw: Estimate) -> Estimate:
+        self._forget_stale(time.monotonic())
         on_prefill = round(self.fits["prefill"].predict(raw.on_prefill_ms), 3)
         on_decode = round(self.fits["decode"].predict(raw.on_decode_ms), 3)
         return replace(raw, on_prefill_ms=on_prefill, on_decode_ms=on_decode,
                        prefill_residual_ms=round(on_prefill - raw.on_prefill_ms, 3),
                        decode_residual_ms=round(on_decode - raw.on_decode_ms, 3))
+
+    def _forget_stale(self, now: float) -> None:
+        for side, seen in list(self.observed_at.items()):
+            if now - seen > self.ttl_s:
+                self.fits[side] = _LineFit(*self._fit_args)
+                del self.observed_at[side]
 
 
 class _LineFit:

@@ -59,8 +59,6 @@ class Estimate:
     prefill_residual_ms: float = 0.0
     """What calibration against measured turns added to the formula's estimate (app/placement.py)."""
     decode_residual_ms: float = 0.0
-    explored: bool = False
-    """Placed on the side estimated slower, whose calibration no turn had refreshed for a while."""
 
     @property
     def decode_sooner(self) -> bool:

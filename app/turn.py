@@ -127,9 +127,8 @@ class TurnLoop:
                                  max_decode_prefill_tokens=config.max_decode_prefill_tokens)
         self.placement = PlacementPolicy(config.placement.itl_weight,
                                          config.placement.kv_high_watermark, config.max_decode_prefill_tokens,
-                                         config.placement.prior_pull_share, config.placement.explore_after_s,
-                                         config.placement.explore_within)
-        self.calibrations = {later: Calibration() for later in (False, True)}
+                                         config.placement.prior_pull_share)
+        self.calibrations = {later: Calibration(config.placement.calibration_ttl_s) for later in (False, True)}
         """First turns and later turns fit apart. Fitted together at 64 conversations, a burst of
         first turns (estimated up to 19 s on decode, measured 3 s) left decode's fit predicting 0 ms
         for the appends after it (measured 100-480 ms): 82 of 128 later turns went to decode and
@@ -355,8 +354,10 @@ class TurnLoop:
             RoutingDecision(prefill_replica_id="", action=Action.PREFILL_ON_DECODE, reason=Reason.DECODE_SOONER,
                             tokens_local=0, tokens_pullable=0, threshold=self.placement.max_decode_prefill_tokens,
                             decode_replica_id=r) for r in self.engines.live(Role.DECODE)]
+        ahead = self.journal.queued_later_tokens if turn.later and self.config.later_turns_first else (
+            self.journal.queued_tokens)
         return place(len(turn.prompt_token_ids), on_prefill, candidates, self.engines.load,
-                     self.journal.queued_tokens, self.calibrations[turn.later], self.placement)
+                     ahead, self.calibrations[turn.later], self.placement)
 
     def _on_decode(self, turn: Turn, lookup: PrefixLookup, policy: PullPolicy,
                    decode_live: list[str]) -> RoutingDecision | None:
@@ -424,13 +425,10 @@ class TurnLoop:
                                  target_replica_id=decision.prefill_replica_id, pull=decision.pull,
                                  first_token=self._first_token_settings(turn), priority=turn.priority)
         load = len(turn.prompt_token_ids) - decision.tokens_local - decision.pulled_tokens
-        self.journal.queued_tokens[decision.prefill_replica_id] += load
-        try:
+        with self.journal.queued(decision.prefill_replica_id, load, turn.later):
             gone = partial(self.engines.gone, Role.PREFILL, request.target_replica_id)
             result = await timed(unless_gone(self.groups[Role.PREFILL].prefill.remote(request), gone),
                                  self.limits.prefill_timeout_s, "prefill")
-        finally:
-            self.journal.queued_tokens[decision.prefill_replica_id] -= load
         ledger.pulled = decision.action == Action.PULL
         ledger.handoff, ledger.prefill_replica_id = result.handoff, result.replica_id
         ledger.advance(TurnState.PREFILLED)
@@ -453,15 +451,12 @@ class TurnLoop:
                                 sampling=turn.sampling, handoff=None, target_replica_id=target, retain=on_decode,
                                 priority=turn.priority)
         stream = ledger.open_stream = self._stream(role, request)
-        queued = len(turn.prompt_token_ids) - decision.tokens_local
-        self.journal.queued_tokens[target] += queued
-        try:
-            first = await stream.next(self.limits.first_chunk_timeout_s, "first chunk")
-        except BaseException:
-            stream.close()
-            raise
-        finally:
-            self.journal.queued_tokens[target] -= queued
+        with self.journal.queued(target, len(turn.prompt_token_ids) - decision.tokens_local, turn.later):
+            try:
+                first = await stream.next(self.limits.first_chunk_timeout_s, "first chunk")
+            except BaseException:
+                stream.close()
+                raise
         ledger.advance(TurnState.DECODING)
         result = PrefillResult(replica_id=target, handoff=None, num_prompt_tokens=len(turn.prompt_token_ids),
                                num_cached_tokens=first.num_cached_tokens or 0, first_chunk=first,

@@ -219,23 +219,29 @@ def test_an_idle_engine_re_times_a_stale_compute_cost_a_request_during_the_probe
     assert engine.tracker.report.compute_s_per_token == 90e-6
 
 
-def test_a_side_no_turn_has_checked_for_a_while_takes_the_next_turn_that_is_close_enough_and_only_that_one():
-    import time
+def test_a_later_turn_is_estimated_behind_the_later_turns_queued_only_which_engines_run_first():
+    """Counted behind first turns' prompts too, appends that arrived during a burst of first turns
+    were estimated at 600 ms on decode, measured 100-200 ms, and decode's fit learned -634 ms."""
+    loop = _busy_decode_loop()  # 20,000 tokens of first turns queued on decode
+    loop.journal.queued_later_tokens["d0"] = 300
+    loop.journal.queued_tokens["d0"] += 300
+    later = Turn("t", APPENDED, "salt", SamplingSettings(max_tokens=3, temperature=0.0), turn_index=2)
+    _, prepared = asyncio.run(run_turn(loop, later))
+    assert prepared.log_entry["placement"]["decode_queued_tokens"] == 300
 
-    from app.placement import Calibration
+
+def test_a_fit_no_turn_has_refreshed_for_its_ttl_is_forgotten_and_its_side_estimated_raw_again():
     from app.protocol import Estimate
 
-    calibration = Calibration()
-    sides = Estimate(20.0, 30.0, 0, 0, 0, 0.0, 60.0, 60.0, 3.0)  # prefill sooner by its learned offset
-    assert not calibration.explore(sides, POLICY)  # decode's fit has learned nothing: nothing to check
-    calibration.observed_at["decode"] = time.monotonic()
-    assert not calibration.explore(sides, POLICY)  # checked just now
-    calibration.observed_at["decode"] -= POLICY.explore_after_s + 1
-    far = Estimate(20.0, 50.0, 0, 0, 0, 0.0, 60.0, 60.0, 3.0)
-    assert not calibration.explore(far, POLICY)  # more than twice as slow: not worth a turn
-    assert calibration.explore(sides, POLICY)
-    burst = [calibration.explore(sides, POLICY) for _ in range(63)]  # placed before the first one's time is back
-    assert not any(burst), "one turn explores, not the whole burst"
+    calibration = Calibration(ttl_s=10.0, alpha=0.5)
+    raw = Estimate(20.0, 15.0, 0, 0, 0, 0.0, 60.0, 60.0, 3.0)
+    calibration.observe(raw, on_decode=True, measured_ms=400.0)  # decode was slow under the last burst
+    calibration.observe(raw, on_decode=False, measured_ms=120.0)
+    assert not calibration.corrected(raw).decode_sooner  # and is kept off decode
+    calibration.observed_at["decode"] -= 11.0  # no turn has gone there since
+    fresh = calibration.corrected(raw)
+    assert fresh.decode_sooner and fresh.on_decode_ms == 15.0 and fresh.on_prefill_ms == 120.0
+    assert "decode" not in calibration.observed_at
 
 
 def test_a_burst_placed_between_heartbeats_sees_the_streams_this_router_opened_on_decode():
