@@ -400,6 +400,15 @@ class AppConfig:
     and in the README's command (app/launch.py). Only a value above the replicas' puts the engines
     behind the serving path (at 10 against 15 they ran ahead of it and later-turn TTFT tripled).
     0: keep the inherited value. The benchmarks give their peers the same two values."""
+    engine_busy_poll_s: float = 0.001
+    """CPU only: how long an engine's worker and EngineCore spin on their shared-memory queue after
+    each message before they block until the writer's notification (app/engine_process.py).
+    vLLM's 1 s spins one process for the whole of every step of the other. Must be above 0: at 0
+    the engines tried stalled on their first request. The benchmarks give their peers the same."""
+    engine_queue_recheck_ms: int = 2
+    """CPU only: how often a blocked reader of those queues rechecks it, which bounds what a lost
+    notification costs (vLLM's 5 s: at a 1 ms spin, turns waited 5 s); an idle engine's worker
+    wakes this often. The benchmarks give their peers the same."""
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
     """kv_aware, session_affinity, round_robin or least_loaded (see app/routing.py)."""
     cost_per_token: float = 1.0
@@ -439,6 +448,8 @@ class AppConfig:
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
             "stream_interval_tokens must be >= 1": self.stream_interval_tokens >= 1,
             "engine_nice must lie in [0, 19]": 0 <= self.engine_nice <= 19,
+            "engine_busy_poll_s must be > 0": self.engine_busy_poll_s > 0,
+            "engine_queue_recheck_ms must be >= 1": self.engine_queue_recheck_ms >= 1,
             "each group's long_prefill_tokens must lie in [0, max_batched_tokens]":
                 all(0 <= g.long_prefill_tokens <= g.max_batched_tokens for g in (self.prefill, self.decode)),
             "each group's max_batched_tokens must be >= engine_max_num_seqs >= 1 (vLLM's own check)":

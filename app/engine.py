@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config import AppConfig, Device, EngineGroupConfig
-from app.engine_process import ENGINE_NICE_ENV
+from app.engine_process import plugin_env
 from app.hashing import HASH_ALGO
 from app.idle_poll import IDLE_POLL_ENV
 from app.metrics import kv_bytes_per_token
@@ -141,6 +141,11 @@ def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> Engi
                           host=host, port=free_port(host), events_port=free_port(host), cpu_core=core)
 
 
+def engine_plugin_env(config: AppConfig) -> dict[str, str]:
+    """What app/engine_process.py reads in a CPU engine's processes (the benchmark's peers get it too)."""
+    return plugin_env(config.engine_nice, config.engine_busy_poll_s, config.engine_queue_recheck_ms)
+
+
 def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIdentity) -> dict[str, str]:
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": identity.host,
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(identity.port),
@@ -152,7 +157,7 @@ def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIden
            "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}
     if config.device == Device.CPU:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(group.kv_cache_gib)
-        env[ENGINE_NICE_ENV] = str(config.engine_nice)
+        env.update(engine_plugin_env(config))
     if identity.cpu_core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(identity.cpu_core)
     return env

@@ -32,6 +32,10 @@ HOOKS = [
     # vLLM falls back to its defaults, silently, for extra-config keys it no longer reads.
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler:NixlBaseConnectorScheduler.__init__", "reads",
      ("bidirectional_kv_xfer", "decoder_kv_blocks_ttl", "kv_lease_duration", "kv_recompute_threshold")),
+    # app/engine_process.py: how long a shared-memory queue's reader spins before it blocks.
+    ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.__init__", "takes",
+     ("self", "is_reader", "context", "notify_address", "busy_loop_s")),
+    ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition", "sets", ("busy_loop_s",)),
     ("nixl._api:nixlBind", "has", ("nixlAgent", "nixlAgentConfig")),
     ("nixl._api:nixlBind.nixlAgentConfig", "has", ("pthrDelay",)),
     # The patch replaces the module attribute, so agents must look it up each time one is built.

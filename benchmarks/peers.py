@@ -13,8 +13,7 @@ from contextlib import contextmanager
 import httpx
 
 from app.config import AppConfig, EngineGroupConfig
-from app.engine import scheduler_class, scheduling_policy
-from app.engine_process import ENGINE_NICE_ENV
+from app.engine import engine_plugin_env, scheduler_class, scheduling_policy
 from app.launch import worker_niceness
 from app.nixl_poll import POLL_DELAY_ENV
 from app.ports import free_port
@@ -65,7 +64,7 @@ def plain_vllm(config: AppConfig) -> Iterator[str]:
     # The app's priorities too: its API server at Ray's worker niceness, as every Serve replica, and
     # its engine processes at the app's engine_nice (this package's vLLM plugin lowers their own).
     server = subprocess.Popen(command, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                                            ENGINE_NICE_ENV: str(config.engine_nice)},
+                                            **engine_plugin_env(config)},
                               preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, niceness),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -90,7 +89,8 @@ def serve_llm_pd_args(config: AppConfig) -> dict:
         if group.num_gpu_blocks_override:
             engine["num_gpu_blocks_override"] = group.num_gpu_blocks_override
         env = {"VLLM_CPU_KVCACHE_SPACE": str(group.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": str(core),
-               POLL_DELAY_ENV: str(config.nixl_poll_delay_us), ENGINE_NICE_ENV: str(config.engine_nice)}
+               POLL_DELAY_ENV: str(config.nixl_poll_delay_us),
+               **engine_plugin_env(config)}
         return {"model_loading_config": {"model_id": config.model_name, "model_source": str(config.model_path())},
                 "accelerator_config": {"kind": "cpu"}, "placement_group_config": {"bundles": [{"CPU": 1}]},
                 "engine_kwargs": engine, "runtime_env": {"env_vars": env}, "log_engine_metrics": True,

@@ -26,6 +26,41 @@ def test_engine_processes_lower_their_own_priority_and_the_process_owning_the_en
     assert len(calls) == 2
 
 
+def test_engine_processes_limit_how_long_their_shared_memory_readers_spin(monkeypatch, tmp_path):
+    import multiprocessing
+
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from app import engine_process
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    monkeypatch.setattr(SpinCondition, "__init__", SpinCondition.__init__)  # both restored after the test
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)
+    monkeypatch.setattr(engine_process, "exit_with_parent", lambda: None)
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())  # EngineCore, its workers
+    context = zmq.Context()
+
+    def reader_spin_s() -> float:
+        reader = SpinCondition(True, context, f"ipc://{tmp_path}/notify")
+        for socket in (reader.local_notify_socket, reader.write_cancel_socket, reader.read_cancel_socket):
+            socket.close(linger=0)
+        return reader.busy_loop_s
+
+    for name in (engine_process.SHM_BUSY_POLL_ENV, engine_process.SHM_RECHECK_ENV):
+        monkeypatch.delenv(name, raising=False)
+    engine_process.register()
+    # vLLM's own, where the engine adapter set nothing
+    assert reader_spin_s() == 1 and shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 5000
+    for name, value in engine_process.plugin_env(0, 0.001, 2).items():  # nice 0: this process keeps its own
+        monkeypatch.setenv(name, value)
+    engine_process.register()
+    engine_process.register()  # a second registration wraps vLLM's method, not its own wrapper
+    assert reader_spin_s() == 0.001 and shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 2
+    context.term()
+
+
 ORPHAN_PARENT = """
 import multiprocessing, sys, time
 from app import engine_process
