@@ -16,9 +16,11 @@ SHORT_PROMPT = list(range(300, 340))
 
 
 def test_a_later_turn_starts_before_a_running_first_turns_remaining_chunks(tmp_path):
-    # 64-token steps: the long prompt takes ~47 steps, and the later turn arrives among them.
+    # 48-token steps: the long prompt takes ~63 steps, and the later turn, which fits in one,
+    # arrives among them (sent 0.3 s in, it came after the whole prompt once the engine computed
+    # 47 steps of 64 tokens in 0.2 s).
     config = load_config({"model_cache_dir": str(tmp_path), "max_model_len": "4096",
-                          "prefill.max_batched_tokens": "64", "engine_max_num_seqs": "8"})
+                          "prefill.max_batched_tokens": "48", "engine_max_num_seqs": "8"})
     assert config.later_turns_first and config.later_turns_before_chunks
     ensure_tiny_model(config.model_path())
     with plain_vllm(config) as url:
@@ -33,6 +35,6 @@ def test_a_later_turn_starts_before_a_running_first_turns_remaining_chunks(tmp_p
 
         with ThreadPoolExecutor(2) as pool:
             first_turn = pool.submit(sent_at, 0.0, LONG_PROMPT, False)
-            later_turn = pool.submit(sent_at, 0.3, SHORT_PROMPT, True)
+            later_turn = pool.submit(sent_at, 0.1, SHORT_PROMPT, True)
             first_token_s, later_token_s = first_turn.result(), later_turn.result()
     assert later_token_s < first_token_s, (later_token_s, first_token_s)
