@@ -23,6 +23,7 @@ not the process that owns the engine) act, so a Serve replica or vLLM's API serv
 """
 
 import functools
+import inspect
 import multiprocessing
 import os
 import signal
@@ -76,14 +77,12 @@ def limit_shared_memory_spin(busy_poll_s: float, recheck_ms: int) -> None:
     """Readers of vLLM's shared-memory queues created from now on spin `busy_poll_s` at most, and
     every blocked reader rechecks its queue every `recheck_ms`."""
     from vllm.distributed.device_communicators import shm_broadcast
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = recheck_ms
-
-    init = getattr(SpinCondition.__init__, "__wrapped__", SpinCondition.__init__)
+    init = inspect.unwrap(shm_broadcast.SpinCondition.__init__)
 
     @functools.wraps(init)
     def with_busy_poll(self, is_reader, context, notify_address, busy_loop_s: float = busy_poll_s) -> None:
         init(self, is_reader, context, notify_address, busy_loop_s)
 
-    SpinCondition.__init__ = with_busy_poll
+    shm_broadcast.SpinCondition.__init__ = with_busy_poll

@@ -36,6 +36,8 @@ HOOKS = [
     ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.__init__", "takes",
      ("self", "is_reader", "context", "notify_address", "busy_loop_s")),
     ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition", "sets", ("busy_loop_s",)),
+    ("vllm.distributed.device_communicators.shm_broadcast:MessageQueue.ReadTimeoutWithWarnings.timeout_ms", "reads",
+     ("SHM_READER_RECHECK_INTERVAL_MS",)),
     ("nixl._api:nixlBind", "has", ("nixlAgent", "nixlAgentConfig")),
     ("nixl._api:nixlBind.nixlAgentConfig", "has", ("pthrDelay",)),
     # The patch replaces the module attribute, so agents must look it up each time one is built.

@@ -30,11 +30,10 @@ def test_engine_processes_limit_how_long_their_shared_memory_readers_spin(monkey
     import multiprocessing
 
     import zmq
+    from vllm.distributed.device_communicators import shm_broadcast
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     from app import engine_process
-
-    from vllm.distributed.device_communicators import shm_broadcast
 
     monkeypatch.setattr(SpinCondition, "__init__", SpinCondition.__init__)  # both restored after the test
     monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)
