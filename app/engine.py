@@ -21,7 +21,7 @@ from app.engine_process import plugin_env
 from app.hashing import HASH_ALGO
 from app.idle_poll import IDLE_POLL_ENV
 from app.metrics import kv_bytes_per_token
-from app.nixl_poll import POLL_DELAY_ENV
+from app.nixl_worker import POLL_DELAY_ENV
 from app.ports import free_port
 from app.protocol import EngineEndpoint, EngineTiming, KVHandoff, LoadReport, Role, SamplingSettings
 
@@ -196,7 +196,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         max_num_batched_tokens=group.max_batched_tokens,
         long_prefill_token_threshold=group.long_prefill_tokens,
         scheduling_policy=scheduling_policy(config), scheduler_cls=scheduler_class(config),
-        kv_transfer_config=transfer, worker_extension_cls="app.nixl_poll.NixlPollDelay",
+        kv_transfer_config=transfer, worker_extension_cls="app.nixl_worker.NixlWorkerExtension",
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=identity.engine_events_endpoint)
         if publishes_kv_events(config, identity.role) else None,

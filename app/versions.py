@@ -38,6 +38,8 @@ HOOKS = [
     ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition", "sets", ("busy_loop_s",)),
     ("vllm.distributed.device_communicators.shm_broadcast:MessageQueue.ReadTimeoutWithWarnings.timeout_ms", "reads",
      ("SHM_READER_RECHECK_INTERVAL_MS",)),
+    # app/nixl_worker.py: the connector worker whose constructor moves the model's thread to another core.
+    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker", "has", ("__init__",)),
     ("nixl._api:nixlBind", "has", ("nixlAgent", "nixlAgentConfig")),
     ("nixl._api:nixlBind.nixlAgentConfig", "has", ("pthrDelay",)),
     # The patch replaces the module attribute, so agents must look it up each time one is built.

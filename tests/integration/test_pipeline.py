@@ -1,5 +1,6 @@
 """The turn loop end to end: real Serve app, real vLLM engines, real NIXL, prefill cache off."""
 
+import os
 import time
 from pathlib import Path
 
@@ -267,3 +268,17 @@ def test_each_engine_replica_still_writes_its_serve_log_after_its_engine_started
         replica_id = replica_names(deployment)[0].rsplit("#", 1)[-1]
         text = "".join(p.read_text() for p in logs.glob(f"replica_*_{deployment}_{replica_id}.log*"))
         assert "Finished initializing replica" in text, deployment
+
+
+def test_each_engine_computes_on_its_own_core(client):
+    """vLLM's NIXL connector pinned the thread that runs the model to the machine's last core, so
+    both engines computed on it while the first core served only Python (app/nixl_worker.py)."""
+    import psutil
+
+    from app.tools.faults import _actor_pid, replica_names
+
+    last = (os.cpu_count() or 1) - 1
+    for deployment, core in (("prefill", 0), ("decode", last)):
+        engine = psutil.Process(_actor_pid(replica_names(deployment)[0])).children(recursive=True)
+        workers = [p.pid for p in engine if p.name() == "VLLM::Worker"]
+        assert workers and {frozenset(os.sched_getaffinity(p)) for p in workers} == {frozenset({core})}, deployment
