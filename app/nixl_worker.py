@@ -12,6 +12,7 @@ patches are in place in time.
    idled. The connector's constructor now leaves the thread on the cores it had.
 """
 
+import multiprocessing
 import os
 
 POLL_DELAY_ENV = "KV_LOOP_NIXL_POLL_DELAY_US"
@@ -64,6 +65,9 @@ class NixlWorkerExtension:
     """The worker extension vLLM mixes into its worker; importing this module applies the patches."""
 
 
-if os.environ.get(POLL_DELAY_ENV):
-    install_poll_delay(int(os.environ[POLL_DELAY_ENV]))
-keep_connector_on_engine_cores()
+# Only in vLLM's engine processes (multiprocessing children): a Serve replica or the benchmark that
+# imports this module for POLL_DELAY_ENV builds no connector and need not import one.
+if multiprocessing.parent_process() is not None:
+    if os.environ.get(POLL_DELAY_ENV):
+        install_poll_delay(int(os.environ[POLL_DELAY_ENV]))
+    keep_connector_on_engine_cores()
