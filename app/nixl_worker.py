@@ -12,6 +12,8 @@ patches are in place in time.
    idled. The connector's constructor now leaves the thread on the cores it had.
 """
 
+import functools
+import inspect
 import multiprocessing
 import os
 
@@ -38,8 +40,9 @@ def install_poll_delay(delay_us: int) -> bool:
 
 def keep_cores_across(cls: type) -> None:
     """Make `cls.__init__` give the calling thread back the CPU affinity it had before it ran."""
-    init = getattr(cls.__init__, "__wrapped__", cls.__init__)
+    init = inspect.unwrap(cls.__init__)
 
+    @functools.wraps(init)
     def init_on_own_cores(self, *args, **kwargs):
         cores = os.sched_getaffinity(0)
         try:
@@ -47,7 +50,6 @@ def keep_cores_across(cls: type) -> None:
         finally:
             os.sched_setaffinity(0, cores)
 
-    init_on_own_cores.__wrapped__ = init
     cls.__init__ = init_on_own_cores
 
 
