@@ -3,13 +3,15 @@ the decode replica that streams the reply (no hop, no transfer), whichever is es
 the first token sooner, from both sides' live load and each engine's measured costs.
 
     on prefill P = (queued_P + to compute on P) x compute_P + pulled x pull_P
-    on decode D  = (queued_D + to compute on D) x compute_D + itl_weight x running_D x (to compute) x compute_D
+    on decode D  = (queued_D + to compute on D) x compute_D
     each side then calibrated against measured turns: slope x estimate + offset (`Calibration`)
+    decode wins if D + itl_weight x running_D x (to compute on D) x compute_D < P
 
 queued: prompt tokens this router has sent the replica to compute and not yet seen answered, of
 the turns that run before this one (for a later turn only later turns': engines take them before
 first turns' prompts, app/scheduler.py); running: decode's streams, which stall while it computes
-a prompt (the itl_weight term charges for them); compute and pull: seconds per token, measured by
+a prompt (the itl_weight term charges for them, after calibration: it is a cost the turn puts on
+others, not part of its own wait, and fitted with the wait it was scaled away); compute and pull: seconds per token, measured by
 each engine (LoadReport). A decode replica whose KV pool is fuller than the watermark, or a prompt
 longer than the cap, stays off decode.
 """
@@ -42,12 +44,12 @@ def estimate(prefill_compute: int, pulled: int, decode_compute: int,
     read of prefill's KV is left out: prefill sends the first token before it."""
     on_prefill = ((prefill_queued + prefill_compute) * prefill.compute_s_per_token
                   + pulled * pull_cost(prefill, policy))
-    on_decode = ((decode_queued + decode_compute) * decode.compute_s_per_token
-                 + policy.itl_weight * decode.num_running_reqs * decode_compute * decode.compute_s_per_token)
+    on_decode = (decode_queued + decode_compute) * decode.compute_s_per_token
+    stall = policy.itl_weight * decode.num_running_reqs * decode_compute * decode.compute_s_per_token
     return Estimate(round(on_prefill * 1e3, 3), round(on_decode * 1e3, 3), prefill_queued, decode_queued,
                     decode.num_running_reqs, round(decode.kv_cache_usage, 3),
                     round(prefill.compute_s_per_token * 1e6, 3), round(decode.compute_s_per_token * 1e6, 3),
-                    round(pull_cost(prefill, policy) * 1e6, 3))
+                    round(pull_cost(prefill, policy) * 1e6, 3), decode_stall_ms=round(stall * 1e3, 3))
 
 
 def decode_allowed(decode_compute: int, decode: LoadReport, policy: PlacementPolicy) -> bool:
@@ -59,8 +61,8 @@ def decode_allowed(decode_compute: int, decode: LoadReport, policy: PlacementPol
 def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[RoutingDecision],
           load: Callable[[str], LoadReport], queued: Mapping[str, int], calibration: "Calibration",
           policy: PlacementPolicy) -> RoutingDecision:
-    """`on_prefill`, or the `on_decode` candidate estimated to answer soonest if sooner than it;
-    the chosen decision carries the estimate it won by. Without measured costs on both sides, the
+    """`on_prefill`, or the `on_decode` candidate of least cost (its wait plus its streams' stall)
+    if less than prefill's wait; the chosen decision carries the estimate it won by. Without measured costs on both sides, the
     fixed rule: a candidate decode retaining the conversation wins."""
     best: RoutingDecision | None = None
     prefill_load = load(on_prefill.prefill_replica_id)
@@ -74,8 +76,8 @@ def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[Routi
             prompt_tokens - on_prefill.tokens_local - on_prefill.pulled_tokens, on_prefill.pulled_tokens,
             decode_compute, prefill_load, decode_load, queued.get(on_prefill.prefill_replica_id, 0),
             queued.get(decode_id, 0), policy))
-        if decode_allowed(decode_compute, decode_load, policy) and sides.decode_sooner and (
-                best is None or best.placement is None or sides.on_decode_ms < best.placement.on_decode_ms):
+        if decode_allowed(decode_compute, decode_load, policy) and sides.decode_wins and (
+                best is None or best.placement is None or sides.decode_cost_ms < best.placement.decode_cost_ms):
             best = replace(candidate, placement=sides)
         elif best is None:
             on_prefill = replace(on_prefill, placement=sides)

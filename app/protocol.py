@@ -45,7 +45,8 @@ class LoadReport:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Both sides' estimated time to the first token, with the inputs (the decision log's record)."""
+    """Both sides' estimated time to the first token, what decode's streams would pay, and the
+    inputs (the decision log's record)."""
 
     on_prefill_ms: float
     on_decode_ms: float
@@ -59,10 +60,18 @@ class Estimate:
     prefill_residual_ms: float = 0.0
     """What calibration against measured turns added to the formula's estimate (app/placement.py)."""
     decode_residual_ms: float = 0.0
+    decode_stall_ms: float = 0.0
+    """The stall computing the prompt on decode puts on its running streams, weighted (itl_weight).
+    A cost, not a time to the first token: it is charged after calibration, which would otherwise
+    fit it away as error (app/placement.py)."""
 
     @property
-    def decode_sooner(self) -> bool:
-        return self.on_decode_ms < self.on_prefill_ms
+    def decode_cost_ms(self) -> float:
+        return self.on_decode_ms + self.decode_stall_ms
+
+    @property
+    def decode_wins(self) -> bool:
+        return self.decode_cost_ms < self.on_prefill_ms
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ def test_conversations_at_once_are_placed_by_estimates_from_measured_costs(clien
         sides = d["placement"]
         assert sides is not None, d
         assert sides["prefill_compute_us_per_token"] > 0 and sides["decode_compute_us_per_token"] > 0
-        assert (d["action"] == "prefill_on_decode") == (sides["on_decode_ms"] < sides["on_prefill_ms"]), d
+        assert (d["action"] == "prefill_on_decode") == (
+            sides["on_decode_ms"] + sides["decode_stall_ms"] < sides["on_prefill_ms"]), d
     seen_load = [d["placement"]["prefill_queued_tokens"] + d["placement"]["decode_queued_tokens"]
                  + d["placement"]["decode_running"] for d in placed]
     assert max(seen_load) > 0, "eight conversations at once, and no estimate saw another one's load"

@@ -31,15 +31,29 @@ REPLY = [ReplyChunk(token_ids=(5,), text=" 5"), ReplyChunk(token_ids=(6,), text=
 
 def test_an_idle_decode_beats_a_prefill_with_a_queue():
     sides = estimate(1024, 0, 1024, IDLE, IDLE, prefill_queued=4096, decode_queued=0, policy=POLICY)
-    assert sides.decode_sooner
+    assert sides.decode_wins
     assert sides.on_prefill_ms == round((4096 + 1024) * COST * 1e3, 3)
 
 
 def test_running_streams_count_against_decode():
     busy = LoadReport(num_running_reqs=64, compute_s_per_token=COST)
     sides = estimate(1024, 0, 1024, IDLE, busy, prefill_queued=0, decode_queued=0, policy=POLICY)
-    assert not sides.decode_sooner
-    assert sides.on_decode_ms == round((1024 * COST + 0.05 * 64 * 1024 * COST) * 1e3, 3)
+    assert not sides.decode_wins
+    assert sides.on_decode_ms == round(1024 * COST * 1e3, 3)  # its own wait
+    assert sides.decode_stall_ms == round(0.05 * 64 * 1024 * COST * 1e3, 3)  # what its streams pay
+
+
+def test_calibration_fits_the_wait_and_leaves_the_streams_stall_as_charged():
+    """Fitted with the wait, the stall looked like estimation error and the slope scaled it away."""
+    busy = LoadReport(num_running_reqs=64, compute_s_per_token=COST)
+    calibration = Calibration(alpha=0.5)
+    for n in (256, 1024) * 10:
+        raw = estimate(n, 0, n, IDLE, busy, 0, 0, POLICY)
+        calibration.observe(calibration.corrected(raw), on_decode=True, measured_ms=raw.on_decode_ms)
+    raw = estimate(1024, 0, 1024, IDLE, busy, 0, 0, POLICY)
+    corrected = calibration.corrected(raw)
+    assert abs(corrected.on_decode_ms - raw.on_decode_ms) < 0.01
+    assert corrected.decode_stall_ms == raw.decode_stall_ms and not corrected.decode_wins
 
 
 def test_a_pull_is_charged_at_the_measured_cost_and_at_a_prior_share_before_any():
@@ -237,10 +251,10 @@ def test_a_fit_no_turn_has_refreshed_for_its_ttl_is_forgotten_and_its_side_estim
     raw = Estimate(20.0, 15.0, 0, 0, 0, 0.0, 60.0, 60.0, 3.0)
     calibration.observe(raw, on_decode=True, measured_ms=400.0)  # decode was slow under the last burst
     calibration.observe(raw, on_decode=False, measured_ms=120.0)
-    assert not calibration.corrected(raw).decode_sooner  # and is kept off decode
+    assert not calibration.corrected(raw).decode_wins  # and is kept off decode
     calibration.observed_at["decode"] -= 11.0  # no turn has gone there since
     fresh = calibration.corrected(raw)
-    assert fresh.decode_sooner and fresh.on_decode_ms == 15.0 and fresh.on_prefill_ms == 120.0
+    assert fresh.decode_wins and fresh.on_decode_ms == 15.0 and fresh.on_prefill_ms == 120.0
     assert "decode" not in calibration.observed_at
 
 
