@@ -51,22 +51,39 @@ class DecodeServer(EngineReplica):
 
     async def _trim(self) -> None:
         load, pool, limits = self.engine.load, self.engine.pool_blocks, self.config.limits
-        budget = int(pool * limits.retained_pool_share)
-        over = self.kept_blocks(time.time()) - budget
+        over = self.kept_blocks(time.time()) - int(pool * limits.retained_pool_share)
+        if over > 0:
+            await self._release_oldest(over)
         # Requests also wait for the step's token budget, with the pool far from full: releasing then
         # only cost later turns their KV (90 releases a sweep at 64 conversations, at most 22 % usage).
-        waiting_for_blocks = load.num_waiting_reqs > 0 and load.kv_cache_usage >= limits.retained_yield_usage
-        for request_id in list(self.kept):
-            if over <= 0 and not waiting_for_blocks:
-                return
-            retained = self.kept.pop(request_id)
-            timeout = limits.bookkeeping_timeout_s
-            over -= len(retained.handoff.block_ids[0])
-            if await asyncio.wait_for(self.index.take.remote((self.replica_id, request_id)), timeout) is None:
-                # A turn owns it (it pulls or releases it) or released it already: it leaves the pool either
-                # way, so it stops counting against the budget (counted, it cost the next one its KV).
-                continue
-            await asyncio.wait_for(self.prefill.release.remote(retained.handoff), timeout)
-            logger.info("released retained sequence %s under pool pressure", request_id)
-            if waiting_for_blocks:
-                return  # one per tick while requests wait; the next tick sees the freed blocks
+        elif load.num_waiting_reqs > 0 and load.kv_cache_usage >= limits.retained_yield_usage:
+            await self._release_oldest(0, at_least_one=True)
+
+    async def _release_oldest(self, blocks: int, at_least_one: bool = False) -> None:
+        """Take the oldest kept sequences out of the index until they cover `blocks` (with
+        `at_least_one`, until one of them was still there) and release what the index handed over.
+        Most kept sequences were taken already (a later turn pulled or superseded them): they leave
+        the pool either way, so they count against `blocks` (counted as held, they cost the next one
+        its KV). One index call a tick: once the pool share binds, a call per kept sequence was one
+        per reply."""
+        timeout = self.config.limits.bookkeeping_timeout_s
+        while self.kept and (blocks > 0 or at_least_one):
+            chosen = {r.handoff.request_id: r for r in self._oldest(max(blocks, 1))}
+            blocks -= sum(len(r.handoff.block_ids[0]) for r in chosen.values())
+            for request_id in chosen:
+                del self.kept[request_id]
+            keys = [(self.replica_id, request_id) for request_id in chosen]
+            for _, request_id in await asyncio.wait_for(self.index.take_all.remote(keys), timeout):
+                at_least_one = False
+                await asyncio.wait_for(self.prefill.release.remote(chosen[request_id].handoff), timeout)
+                logger.info("released retained sequence %s under pool pressure", request_id)
+
+    def _oldest(self, blocks: int) -> list[RetainedBlocks]:
+        """The oldest kept sequences whose blocks add up to at least `blocks`."""
+        chosen, covered = [], 0
+        for retained in self.kept.values():
+            if covered >= blocks:
+                break
+            chosen.append(retained)
+            covered += len(retained.handoff.block_ids[0])
+        return chosen

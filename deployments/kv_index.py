@@ -80,6 +80,10 @@ class KVIndexServer:
         """Claim a retained sequence: the caller becomes its only reader or releaser (None: taken already)."""
         return self.index.forget_retained(key)
 
+    async def take_all(self, keys: list[SequenceKey]) -> tuple[SequenceKey, ...]:
+        """Claim each of `keys` still in the index; the keys claimed (the caller releases those)."""
+        return tuple(key for key in keys if self.index.forget_retained(key) is not None)
+
     async def record_turn(self, records: TurnRecords) -> tuple[SequenceKey, ...]:
         """Record the turn, then take its `take_keys`: the keys taken (the caller releases those)."""
         if records.retained is not None:
@@ -88,7 +92,7 @@ class KVIndexServer:
             self.index.record_prefill(records.prefill_replica_id, list(records.prefill_hashes))
         if records.conversation is not None:
             self.conversations.put(records.conversation, records.session_key)
-        return tuple(key for key in records.take_keys if self.index.forget_retained(key) is not None)
+        return await self.take_all(list(records.take_keys))
 
     async def match_conversation(self, chain: list[str], last_assistant: int,
                                  session_key: str | None) -> HistoryMatch:

@@ -183,7 +183,7 @@ def _decode_replica(kept_ids: list[str], held_ids: set[str], pool_blocks: int = 
     replica.config, replica.replica_id = AppConfig(), "d0"
     replica.engine = SimpleNamespace(load=load or LoadReport(), pool_blocks=pool_blocks, shutdown=lambda: None)
     replica.kept = OrderedDict((r, retained(list(range(33 * BLOCK)), time.time() + 60, request_id=r)) for r in kept_ids)
-    replica.index = SimpleNamespace(take=Remote(lambda key: key if key[1] in held_ids else None))
+    replica.index = SimpleNamespace(take_all=Remote(lambda keys: tuple(k for k in keys if k[1] in held_ids)))
     replica.prefill = SimpleNamespace(release=Remote())
     return replica
 
@@ -208,3 +208,12 @@ def test_decode_releases_for_waiting_requests_only_when_they_wait_for_blocks():
                                   load=LoadReport(num_waiting_reqs=3, kv_cache_usage=usage))
         asyncio.run(replica._trim())
         assert [h.request_id for h in replica.prefill.release.calls] == released, usage
+
+
+def test_decode_claims_what_it_trims_in_one_index_call_a_tick():
+    """Once the pool share binds, most kept sequences were taken by later turns already: one call
+    per kept sequence was one index call per reply."""
+    replica = _decode_replica(["a", "b", "c", "d"], held_ids={"d"}, pool_blocks=2)
+    asyncio.run(replica._trim())
+    assert len(replica.index.take_all.calls) == 1 and [h.request_id for h in replica.prefill.release.calls] == ["d"]
+    assert not replica.kept
