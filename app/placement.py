@@ -11,8 +11,8 @@ queued: prompt tokens this router has sent the replica to compute and not yet se
 the turns that run before this one (for a later turn only later turns': engines take them before
 first turns' prompts, app/scheduler.py); running: decode's streams, which stall while it computes
 a prompt (the itl_weight term charges for them, after calibration: it is a cost the turn puts on
-others, not part of its own wait, and fitted with the wait it was scaled away); compute and pull: seconds per token, measured by
-each engine (LoadReport). A decode replica whose KV pool is fuller than the watermark, or a prompt
+others, not part of its own wait, and fitted with the wait it was scaled away); compute and pull:
+seconds per token, measured by each engine (LoadReport). A decode replica whose KV pool is fuller than the watermark, or a prompt
 longer than the cap, stays off decode.
 """
 
@@ -62,8 +62,8 @@ def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[Routi
           load: Callable[[str], LoadReport], queued: Mapping[str, int], calibration: "Calibration",
           policy: PlacementPolicy) -> RoutingDecision:
     """`on_prefill`, or the `on_decode` candidate of least cost (its wait plus its streams' stall)
-    if less than prefill's wait; the chosen decision carries the estimate it won by. Without measured costs on both sides, the
-    fixed rule: a candidate decode retaining the conversation wins."""
+    if less than prefill's wait; the chosen decision carries the estimate it won by. Without
+    measured costs on both sides, the fixed rule: a candidate decode retaining the conversation wins."""
     best: RoutingDecision | None = None
     prefill_load = load(on_prefill.prefill_replica_id)
     for candidate in on_decode:
