@@ -12,8 +12,8 @@ the turns that run before this one (for a later turn only later turns': engines 
 first turns' prompts, app/scheduler.py); running: decode's streams, which stall while it computes
 a prompt (the itl_weight term charges for them, after calibration: it is a cost the turn puts on
 others, not part of its own wait, and fitted with the wait it was scaled away); compute and pull:
-seconds per token, measured by each engine (LoadReport). A decode replica whose KV pool is fuller than the watermark, or a prompt
-longer than the cap, stays off decode.
+seconds per token, measured by each engine (LoadReport). A decode replica whose KV pool is fuller
+than the watermark, or a prompt longer than the cap, stays off decode.
 """
 
 import time
