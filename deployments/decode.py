@@ -39,7 +39,7 @@ class DecodeServer(EngineReplica):
     def kept_blocks(self, now: float) -> int:
         for request_id in [r for r, k in self.kept.items() if k.handoff.expiry_time <= now]:
             del self.kept[request_id]  # vLLM freed them at its TTL
-        return sum(len(k.handoff.block_ids[0]) for k in self.kept.values())
+        return sum(_blocks(k) for k in self.kept.values())
 
     async def _trim_forever(self) -> None:
         while not self.engine.llm.errored:
@@ -68,8 +68,9 @@ class DecodeServer(EngineReplica):
         per reply."""
         timeout = self.config.limits.bookkeeping_timeout_s
         while self.kept and (blocks > 0 or at_least_one):
-            chosen = {r.handoff.request_id: r for r in self._oldest(max(blocks, 1))}
-            blocks -= sum(len(r.handoff.block_ids[0]) for r in chosen.values())
+            oldest, covered = self._oldest(max(blocks, 1))
+            chosen = {r.handoff.request_id: r for r in oldest}
+            blocks -= covered
             for request_id in chosen:
                 del self.kept[request_id]
             keys = [(self.replica_id, request_id) for request_id in chosen]
@@ -78,12 +79,17 @@ class DecodeServer(EngineReplica):
                 await asyncio.wait_for(self.prefill.release.remote(chosen[request_id].handoff), timeout)
                 logger.info("released retained sequence %s under pool pressure", request_id)
 
-    def _oldest(self, blocks: int) -> list[RetainedBlocks]:
-        """The oldest kept sequences whose blocks add up to at least `blocks`."""
+    def _oldest(self, blocks: int) -> tuple[list[RetainedBlocks], int]:
+        """The oldest kept sequences whose blocks add up to at least `blocks`, and their blocks."""
         chosen, covered = [], 0
         for retained in self.kept.values():
             if covered >= blocks:
                 break
             chosen.append(retained)
-            covered += len(retained.handoff.block_ids[0])
-        return chosen
+            covered += _blocks(retained)
+        return chosen, covered
+
+
+def _blocks(retained: RetainedBlocks) -> int:
+    """The pool blocks a kept sequence holds (its first KV-cache group's)."""
+    return len(retained.handoff.block_ids[0])
