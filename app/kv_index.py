@@ -75,6 +75,10 @@ class KVIndex:
         for h in hashes:
             self._by_hash.setdefault(h, set()).add(key)
 
+    def holds(self, key: SequenceKey) -> bool:
+        """True while nobody has taken the retained sequence `key`."""
+        return key in self._sequences
+
     def forget_retained(self, key: SequenceKey) -> RetainedBlocks | None:
         retained = self._sequences.pop(key, None)
         for h in self._sequence_hashes.pop(key, []):

@@ -122,7 +122,9 @@ class EngineStatus:
     """vLLM's own share of the KV pool in use, from its last step."""
     pool_blocks: int
     kept_blocks: int
-    """Blocks held for next turns (decode's retained sequences)."""
+    """Blocks held for next turns (decode's retained sequences that no later turn took)."""
+    kept_released: int
+    """Sequences held for next turns that decode released before their TTL, under pool pressure."""
     engine_pids: tuple[int, ...]
     """The vLLM engine-core processes (what a SIGKILL fault kills)."""
 

@@ -97,13 +97,20 @@ def build_dashboard() -> Dashboard:
             "Estimated seconds an idle block survives on each prefill replica: (pool - pinned) / new-token rate. "
             "The shortest estimate among router replicas.",
             "s", [("min by (prefill_replica) (ray_kv_loop_eviction_horizon_s)", "{{prefill_replica}}")],
-            legend_calcs=("mean", "min", "lastNotNull")))
+            width=8, legend_calcs=("mean", "min", "lastNotNull")))
         .with_panel(panel(
             "KV index size",
             "Entries held by the KV index actor, by kind (retained sequences and hashes, prefill blocks, "
             "replicas, conversations).",
             "short", [("max by (entries) (ray_kv_loop_index_size)", "{{entries}}")],
-            legend_calcs=("mean", "max", "lastNotNull")))
+            width=8, legend_calcs=("mean", "max", "lastNotNull")))
+        .with_panel(panel(
+            "Kept sequences released early",
+            "Sequences decode kept for a next turn and released before their TTL, per second: past "
+            "limits.retained_pool_share of its pool (pool_share) or for requests waiting for blocks "
+            "(waiting). Steadily above 0: the decode pool is too small for the conversations' think time.",
+            "ops", [("sum by (cause) (rate(ray_kv_loop_kept_released_total" + RATE + "))", "{{cause}}")],
+            width=8))
 
         .with_row(Row("Serve queues"))
         .with_panel(panel(

@@ -2,9 +2,10 @@
 from its prefix cache), streams tokens, and ends with the block metadata of the sequence it keeps
 for the next turn. router ──DecodeRequest──▶ generate() ──ReplyChunk…──▶ router.
 
-Kept sequences are a cache, not a reservation: past `limits.retained_pool_share` of the pool, or
-while requests wait for blocks (waiting, with the pool at least `limits.retained_yield_usage`
-full), the oldest are taken out of the index and released.
+Kept sequences are a cache, not a reservation: past `limits.retained_pool_share` of the pool (counting
+only what the index still holds: later turns take the rest), or while requests wait for blocks
+(waiting, with the pool at least `limits.retained_yield_usage` full), the oldest are taken out of
+the index and released.
 """
 
 import asyncio
@@ -13,6 +14,7 @@ import time
 from collections import OrderedDict
 
 from ray import serve
+from ray.serve import metrics
 from ray.serve.config import RequestRouterConfig
 
 from app.protocol import RetainedBlocks, Role
@@ -31,6 +33,9 @@ class DecodeServer(EngineReplica):
         self.prefill = prefill.options(_by_reference=False)
         self.kept: OrderedDict[str, RetainedBlocks] = OrderedDict()
         """What this engine holds for next turns, oldest first (by engine request id)."""
+        self.released_metric = metrics.Counter(
+            "kv_loop_kept_released", "Sequences decode kept for a next turn and released before their TTL: "
+            "past its pool share (pool_share) or for requests waiting for blocks (waiting).", tag_keys=("cause",))
         self._trimmer = asyncio.get_event_loop().create_task(self._trim_forever())
 
     def on_retained(self, retained: RetainedBlocks) -> None:
@@ -50,22 +55,36 @@ class DecodeServer(EngineReplica):
                 logger.exception("trimming retained sequences failed")
 
     async def _trim(self) -> None:
-        load, pool, limits = self.engine.load, self.engine.pool_blocks, self.config.limits
-        over = self.kept_blocks(time.time()) - int(pool * limits.retained_pool_share)
+        await self._forget_taken()
+        load, limits = self.engine.load, self.config.limits
+        over = self.kept_blocks(time.time()) - int(self.engine.pool_blocks * limits.retained_pool_share)
         if over > 0:
-            await self._release_oldest(over)
+            await self._release_oldest(over, "pool_share")
         # Requests also wait for the step's token budget, with the pool far from full: releasing then
         # only cost later turns their KV (90 releases a sweep at 64 conversations, at most 22 % usage).
         elif load.num_waiting_reqs > 0 and load.kv_cache_usage >= limits.retained_yield_usage:
-            await self._release_oldest(0, at_least_one=True)
+            await self._release_oldest(0, "waiting", at_least_one=True)
 
-    async def _release_oldest(self, blocks: int, at_least_one: bool = False) -> None:
+    async def _forget_taken(self) -> None:
+        """Stop counting the kept sequences a later turn took (pulled, or continued here and
+        released): nobody tells decode, and counted as held they made the pool share bind on about a
+        third of the KV really held at 64 conversations. A sequence kept within the last
+        `bookkeeping_timeout_s` may not be recorded yet (its turn's record call is in flight): it stays."""
+        recorded_by = time.time() + self.config.retention_ttl_s - self.config.limits.bookkeeping_timeout_s
+        keys = [(self.replica_id, r) for r, k in self.kept.items() if k.handoff.expiry_time <= recorded_by]
+        if not keys:
+            return
+        held = set(await asyncio.wait_for(self.index.held.remote(keys), self.config.limits.bookkeeping_timeout_s))
+        for key in keys:
+            if key not in held:
+                self.kept.pop(key[1], None)
+
+    async def _release_oldest(self, blocks: int, cause: str, at_least_one: bool = False) -> None:
         """Take the oldest kept sequences out of the index until they cover `blocks` (with
         `at_least_one`, until one of them was still there) and release what the index handed over.
-        Most kept sequences were taken already (a later turn pulled or superseded them): they leave
-        the pool either way, so they count against `blocks` (counted as held, they cost the next one
-        its KV). One index call a tick: once the pool share binds, a call per kept sequence was one
-        per reply."""
+        A sequence taken since it was counted (or not yet recorded when `_forget_taken` asked)
+        leaves the pool anyway, so it counts against `blocks`. One index call a tick: a call per
+        kept sequence was one per reply once the pool share bound."""
         timeout = self.config.limits.bookkeeping_timeout_s
         while self.kept and (blocks > 0 or at_least_one):
             oldest, covered = self._oldest(max(blocks, 1))
@@ -77,7 +96,9 @@ class DecodeServer(EngineReplica):
             for _, request_id in await asyncio.wait_for(self.index.take_all.remote(keys), timeout):
                 at_least_one = False
                 await asyncio.wait_for(self.prefill.release.remote(chosen[request_id].handoff), timeout)
-                logger.info("released retained sequence %s under pool pressure", request_id)
+                self.kept_released += 1
+                self.released_metric.inc(1, {"cause": cause})
+                logger.info("released retained sequence %s (%s)", request_id, cause)
 
     def _oldest(self, blocks: int) -> tuple[list[RetainedBlocks], int]:
         """The oldest kept sequences whose blocks add up to at least `blocks`, and their blocks."""

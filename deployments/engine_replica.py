@@ -47,6 +47,8 @@ class EngineReplica:
     """Base of the prefill and decode deployments: one engine, known to the KV index while it lives."""
 
     role: Role
+    kept_released = 0
+    """Sequences kept for next turns and released before their TTL (decode's)."""
 
     async def __init__(self, config: AppConfig, index) -> None:
         log_targets = _serve_log_targets()  # before anything imports NIXL or configures vLLM
@@ -153,7 +155,7 @@ class EngineReplica:
         return EngineStatus(replica_id=self.replica_id, role=self.role, alive=not self.engine.llm.errored,
                             num_running_reqs=load.num_running_reqs, num_waiting_reqs=load.num_waiting_reqs,
                             kv_cache_usage=load.kv_cache_usage, pool_blocks=self.engine.pool_blocks,
-                            kept_blocks=self.kept_blocks(time.time()),
+                            kept_blocks=self.kept_blocks(time.time()), kept_released=self.kept_released,
                             engine_pids=tuple(p.pid for p in getattr(manager, "processes", ())))
 
     def kept_blocks(self, now: float) -> int:

@@ -84,6 +84,10 @@ class KVIndexServer:
         """Claim each of `keys` still in the index; the keys claimed (the caller releases those)."""
         return tuple(key for key in keys if self.index.forget_retained(key) is not None)
 
+    async def held(self, keys: list[SequenceKey]) -> tuple[SequenceKey, ...]:
+        """Which of `keys` nobody has taken yet, without claiming them."""
+        return tuple(key for key in keys if self.index.holds(key))
+
     async def record_turn(self, records: TurnRecords) -> tuple[SequenceKey, ...]:
         """Record the turn, then take its `take_keys`: the keys taken (the caller releases those)."""
         if records.retained is not None:

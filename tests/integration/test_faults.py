@@ -107,6 +107,39 @@ def two_routers_small_decode_pool(app_config, base_url):
 
 
 @pytest.mark.own_app
+def test_decode_releases_nothing_for_kept_sequences_later_turns_took(two_routers_small_decode_pool, base_url,
+                                                                    reference):
+    """On the fresh app (the first test on it), one conversation idles while another runs turn after
+    turn on the small decode pool, each turn taking the sequence the one before kept. All decode
+    kept passes its pool share, what no turn took fits it: decode releases nothing (counted as
+    held, the taken ones cost the idle conversation its KV) and counts what it holds."""
+    limits, client = two_routers_small_decode_pool.limits, make_client(base_url)
+    settled_s = limits.bookkeeping_timeout_s + 2 * limits.retained_trim_interval_s  # records in, a tick ran
+    time.sleep(settled_s)
+    before = faults.engine_status("decode")
+    budget = int(before.pool_blocks * limits.retained_pool_share)
+    idle, chain = _messages("idle"), _messages("chain")
+    turns = [chat_turn(client, idle, MAX_TOKENS)]
+    kept = before.kept_blocks + _kept_blocks(turns[0])
+    while kept <= budget:
+        turns.append(chat_turn(client, chain, MAX_TOKENS))
+        chain, kept = _next(chain, turns[-1], "More."), kept + _kept_blocks(turns[-1])
+        time.sleep(settled_s)
+    after = faults.engine_status("decode")
+    assert after.kept_released == before.kept_released, "no sequence released: what nobody took fits"
+    held = before.kept_blocks + _kept_blocks(turns[0]) + _kept_blocks(turns[-1])
+    assert held - 2 <= after.kept_blocks <= held, f"counts {after.kept_blocks} blocks, holds {held}"
+    turns.append(chat_turn(client, _next(idle, turns[0], "More."), MAX_TOKENS))
+    assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
+    assert turns[-1].cached_tokens >= _kept_blocks(turns[0]) * 32 - 32, "the idle conversation kept its KV"
+
+
+def _kept_blocks(turn) -> int:
+    """The blocks decode keeps after `turn`: its prompt and reply but the last token."""
+    return -(-(len(turn.prompt_ids) + len(turn.output_ids) - 1) // 32)
+
+
+@pytest.mark.own_app
 def test_a_router_replica_killed_mid_reply_loses_no_reply_and_no_conversation(two_routers_small_decode_pool,
                                                                                base_url, reference):
     """Four long replies stream through two router replicas (two each: Serve balances them); one

@@ -177,14 +177,18 @@ def test_a_new_router_takes_requests_once_the_index_answered_or_its_wait_ran_out
 
 
 def _decode_replica(kept_ids: list[str], held_ids: set[str], pool_blocks: int = 200,
-                    load: LoadReport | None = None) -> SimpleNamespace:
-    """DecodeServer's trimming state: sequences of 33 blocks (`held_ids` still in the index)."""
+                    load: LoadReport | None = None, just_kept: tuple[str, ...] = ()) -> SimpleNamespace:
+    """DecodeServer's trimming state: sequences of 33 blocks (`held_ids` still in the index), kept
+    a minute ago but for `just_kept`."""
     replica = object.__new__(DecodeServer.func_or_class)
     replica.config, replica.replica_id = AppConfig(), "d0"
     replica.engine = SimpleNamespace(load=load or LoadReport(), pool_blocks=pool_blocks, shutdown=lambda: None)
-    replica.kept = OrderedDict((r, retained(list(range(33 * BLOCK)), time.time() + 60, request_id=r)) for r in kept_ids)
-    replica.index = SimpleNamespace(take_all=Remote(lambda keys: tuple(k for k in keys if k[1] in held_ids)))
+    expiry = {r: time.time() + replica.config.retention_ttl_s - (0 if r in just_kept else 60) for r in kept_ids}
+    replica.kept = OrderedDict((r, retained(list(range(33 * BLOCK)), expiry[r], request_id=r)) for r in kept_ids)
+    replica.index = SimpleNamespace(**{m: Remote(lambda keys: tuple(k for k in keys if k[1] in held_ids))
+                                       for m in ("take_all", "held")})
     replica.prefill = SimpleNamespace(release=Remote())
+    replica.released_metric = SimpleNamespace(inc=lambda *_: None)
     return replica
 
 
@@ -195,9 +199,20 @@ def test_decode_trims_what_it_retains_to_its_pool_share_counting_only_what_nobod
     over = _decode_replica(["a", "b", "c", "d"], held_ids={"a", "b", "c", "d"})
     asyncio.run(over._trim())
     assert [h.request_id for h in over.prefill.release.calls] == ["a"] and list(over.kept) == ["b", "c", "d"]
+    assert over.kept_released == 1
     taken_first = _decode_replica(["a", "b", "c", "d"], held_ids={"b", "c", "d"})
     asyncio.run(taken_first._trim())
     assert taken_first.prefill.release.calls == [] and list(taken_first.kept) == ["b", "c", "d"]
+
+
+def test_decode_stops_counting_what_later_turns_took_but_not_a_turn_still_being_recorded():
+    """Over its share as counted (132 blocks against 100), decode asks the index which of its kept
+    sequences nobody took: a and b were taken, c was kept a moment ago and its record may still be
+    on its way. What is left (66 blocks) fits: nothing is released."""
+    replica = _decode_replica(["a", "b", "c", "d"], held_ids={"d"}, just_kept=("c",))
+    asyncio.run(replica._trim())
+    assert replica.index.held.calls == [[("d0", "a"), ("d0", "b"), ("d0", "d")]]
+    assert list(replica.kept) == ["c", "d"] and replica.prefill.release.calls == []
 
 
 def test_decode_releases_for_waiting_requests_only_when_they_wait_for_blocks():
@@ -211,9 +226,8 @@ def test_decode_releases_for_waiting_requests_only_when_they_wait_for_blocks():
 
 
 def test_decode_claims_what_it_trims_in_one_index_call_a_tick():
-    """Once the pool share binds, most kept sequences were taken by later turns already: one call
-    per kept sequence was one index call per reply."""
-    replica = _decode_replica(["a", "b", "c", "d"], held_ids={"d"}, pool_blocks=2)
+    """Once the pool share binds, a call per kept sequence released was one index call per reply."""
+    replica = _decode_replica(["a", "b", "c", "d"], held_ids={"b", "c", "d"}, pool_blocks=2, just_kept=("a",))
     asyncio.run(replica._trim())
-    assert len(replica.index.take_all.calls) == 1 and [h.request_id for h in replica.prefill.release.calls] == ["d"]
-    assert not replica.kept
+    assert len(replica.index.take_all.calls) == 1
+    assert [h.request_id for h in replica.prefill.release.calls] == ["b", "c", "d"] and not replica.kept

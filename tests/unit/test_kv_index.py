@@ -102,5 +102,7 @@ def test_a_replica_that_stops_renewing_its_registration_is_forgotten_with_its_se
 def test_a_retained_sequence_has_one_owner():
     index = _index()
     index.record_retained("t", retained(list(range(128)), NOW + 60, request_id="r"))
+    assert index.holds(("d0", "r")) and index.holds(("d0", "r")), "asking does not claim"
     assert index.forget_retained(("d0", "r")) is not None
     assert index.forget_retained(("d0", "r")) is None, "the second claimant gets nothing"
+    assert not index.holds(("d0", "r"))
