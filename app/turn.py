@@ -313,6 +313,8 @@ class TurnLoop:
             raise NoEngineAlive("no engine is ready; retry shortly")
         policy = self.policy if turn.reverse_pull else replace(self.policy, enabled=False)
         near = self._on_decode(turn, self.own_retained.lookup(hashes), policy, decode_live)
+        if near is not None and not self._latest(turn, near):
+            near = None
         if near is not None and prefill_live:  # prefill's side as if it held nothing: no index call
             least_queued = min(prefill_live, key=lambda r: self.journal.queued_tokens[r])
             near = self._place(turn, replace(near, action=Action.PULL, prefill_replica_id=least_queued, tokens_local=0,
@@ -340,6 +342,15 @@ class TurnLoop:
         elif common_prefix_len(list(turn.prompt_token_ids), list(retained.token_ids)) == len(retained.token_ids):
             self._claim(ledger, retained, confirmed=False)  # this turn supersedes it: release it at the end
         return decision
+
+    def _latest(self, turn: Turn, near: RoutingDecision) -> bool:
+        """Whether this router's own record of what decode retains holds the conversation's previous
+        turn. Under several router replicas another may have served the turns since: claiming this
+        one's stale sequence left the latest (in the index) held for nobody until its TTL."""
+        if turn.rendering is None or not turn.rendering.shared_tokens:
+            return True
+        block = self.config.block_size
+        return near.tokens_pullable >= (turn.rendering.shared_tokens - 1) // block * block
 
     def _place(self, turn: Turn, on_prefill: RoutingDecision, on_decode: RoutingDecision | None
                ) -> RoutingDecision:

@@ -4,6 +4,7 @@ deployments: the real flow and its oracle are in tests/integration/test_pipeline
 import asyncio
 import time
 
+from app.conversations import BreakCause, RenderDiagnostics, RenderMode
 from app.decision import PullPolicy, decide_prefill_on_decode
 from app.protocol import (
     Action,
@@ -118,3 +119,18 @@ def test_a_short_append_to_a_sequence_this_router_recorded_needs_no_index_call()
     assert loop.groups[Role.PREFILL].release.calls[-1].request_id == "r2"
     _, other = _turn(loop, (1, 2, 3) * 40)
     assert len(loop.index.lookup.calls) == 2 and other.decision.action != Action.PREFILL_ON_DECODE
+
+
+def test_a_router_whose_own_record_of_the_conversation_is_stale_asks_the_index():
+    """Under two router replicas the other one served the turn before: this router's own record
+    (r2, 10 blocks) lacks it, and claiming it would leave the latest sequence held for nobody."""
+    _, _, loop = _serve(DecodeGroup(REPLY))
+    prompt = PROMPT + (8,) + (5,) * 10
+    served_elsewhere = RenderDiagnostics(RenderMode.PRESERVE, len(prompt), len(PROMPT) + 40, len(PROMPT) + 40,
+                                         (len(PROMPT) + 39) // BLOCK, BreakCause.NONE)
+    _turn(loop, prompt, rendering=served_elsewhere)
+    assert len(loop.index.lookup.calls) == 2, "the index was asked"
+    latest = RenderDiagnostics(RenderMode.PRESERVE, len(prompt), len(PROMPT) + 1, len(PROMPT) + 1,
+                               len(PROMPT) // BLOCK, BreakCause.NONE)
+    _turn(loop, prompt, rendering=latest)
+    assert len(loop.index.lookup.calls) == 2, "its own record holds the previous turn: no index call"
