@@ -74,7 +74,11 @@ class DecodeServer(EngineReplica):
         keys = [(self.replica_id, r) for r, k in self.kept.items() if k.handoff.expiry_time <= recorded_by]
         if not keys:
             return
-        held = set(await asyncio.wait_for(self.index.held.remote(keys), self.config.limits.bookkeeping_timeout_s))
+        try:
+            held = set(await asyncio.wait_for(self.index.held.remote(keys), self.config.limits.bookkeeping_timeout_s))
+        except Exception as exc:  # noqa: BLE001 - the index restarts: count them all until it answers
+            logger.debug("which kept sequences are held: %s", f"{type(exc).__name__}: {exc}"[:200])
+            return
         for key in keys:
             if key not in held:
                 self.kept.pop(key[1], None)

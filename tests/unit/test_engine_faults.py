@@ -4,6 +4,7 @@
 import asyncio
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -231,3 +232,11 @@ def test_decode_claims_what_it_trims_in_one_index_call_a_tick():
     asyncio.run(replica._trim())
     assert len(replica.index.take_all.calls) == 1
     assert [h.request_id for h in replica.prefill.release.calls] == ["b", "c", "d"] and not replica.kept
+
+
+def test_decode_counts_every_kept_sequence_while_the_index_does_not_answer():
+    replica = _decode_replica(["a", "b"], held_ids=set())
+    replica.index.held = SimpleNamespace(remote=lambda keys: asyncio.sleep(10))
+    replica.config = AppConfig(limits=replace(AppConfig().limits, bookkeeping_timeout_s=0.05))
+    asyncio.run(replica._forget_taken())
+    assert list(replica.kept) == ["a", "b"]
