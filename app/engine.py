@@ -45,10 +45,18 @@ class LoadTracker:
         """The last probes' costs (s a token); the least of them stands."""
         self.measured_at = 0.0
         """When the compute cost was last measured (time.monotonic())."""
+        self.stepped_at = 0.0
 
-    def observe_step(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+    def observe_step(self, running: int, waiting: int, kv_cache_usage: float, now: float | None = None) -> None:
+        """Each step's stats; the time since the step before is a step's wall time if requests ran
+        through it (else the engine was idle in between)."""
+        now = time.monotonic() if now is None else now
+        step_s = self.report.step_s
+        if self.report.num_running_reqs and self.stepped_at:
+            step_s = _smoothed(step_s, now - self.stepped_at)
+        self.stepped_at = now
         self.report = replace(self.report, num_running_reqs=running, num_waiting_reqs=waiting,
-                              kv_cache_usage=kv_cache_usage)
+                              kv_cache_usage=kv_cache_usage, step_s=step_s)
 
     def observe_prefill(self, seconds: float, computed_tokens: int, others_in_engine: int) -> None:
         """A finished prefill's time (vLLM's `prefill_time`) per token it computed, taken only when it

@@ -41,6 +41,8 @@ class LoadReport:
     """Seconds per prompt token computed: a probe at start-up, then prefills that ran alone (0: unknown)."""
     pull_s_per_token: float = 0.0
     """Seconds per token of KV read over NIXL by this engine, from its transfers (0: none yet)."""
+    step_s: float = 0.0
+    """Wall time of the engine's recent steps while it had requests running (smoothed; 0: none yet)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ class Estimate:
     """The stall computing the prompt on decode puts on its running streams, weighted (itl_weight).
     A cost, not a time to the first token: it is charged after calibration, which would otherwise
     fit it away as error (app/placement.py)."""
+    prefill_step_ms: float = 0.0
+    decode_step_ms: float = 0.0
+    """Each side's recent step time, if it has requests running (0: idle): what the estimate charges
+    for the step in flight and the batch the prompt joins."""
 
     @property
     def decode_cost_ms(self) -> float:

@@ -12,7 +12,7 @@ MAX_TOKENS = 16
 def test_conversations_at_once_are_placed_by_estimates_from_measured_costs(client, http, reference):
     """Eight conversations arrive together. Every placed decision names both sides' estimates, from
     costs the engines measured and with the load the router saw (queued tokens, decode's running
-    streams), and went to the smaller one; the tokens match the oracle wherever they were computed.
+    streams and its step time), and went to the smaller one; the tokens match the oracle wherever they were computed.
     Which side wins depends on this machine's load at the time (unit tests pin the spreading down:
     tests/unit/test_placement.py)."""
 
@@ -33,5 +33,6 @@ def test_conversations_at_once_are_placed_by_estimates_from_measured_costs(clien
     seen_load = [d["placement"]["prefill_queued_tokens"] + d["placement"]["decode_queued_tokens"]
                  + d["placement"]["decode_running"] for d in placed]
     assert max(seen_load) > 0, "eight conversations at once, and no estimate saw another one's load"
+    assert max(d["placement"]["decode_step_ms"] for d in placed) > 0, "no estimate saw decode's steps"
     for turns in conversations:
         assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)

@@ -56,6 +56,30 @@ def test_calibration_fits_the_wait_and_leaves_the_streams_stall_as_charged():
     assert corrected.decode_stall_ms == raw.decode_stall_ms and not corrected.decode_wins
 
 
+def test_an_engine_with_requests_running_costs_the_step_in_flight_and_a_whole_step():
+    """Opening burst at 64 conversations: prefill in 200 ms chunk steps of first turns, decode in
+    30 ms steps of its streams. A later turn's append costs prefill half a step waiting and a whole
+    step computing (its 160 tokens alone would take 3 ms): decode wins it despite its streams."""
+    prefill = LoadReport(num_running_reqs=8, compute_s_per_token=COST, pull_s_per_token=1e-6, step_s=0.2)
+    decode = LoadReport(num_running_reqs=51, compute_s_per_token=COST, step_s=0.03)
+    sides = estimate(160, 0, 160, prefill, decode, 0, 0, POLICY)
+    assert (sides.on_prefill_ms, sides.on_decode_ms) == (300.0, 45.0) and sides.decode_wins
+    assert (sides.prefill_step_ms, sides.decode_step_ms) == (200.0, 30.0)
+    idle_prefill = estimate(160, 0, 160, replace(prefill, num_running_reqs=0), decode, 0, 0, POLICY)
+    assert idle_prefill.on_prefill_ms == round(160 * COST * 1e3, 3) and not idle_prefill.decode_wins
+
+
+def test_a_step_is_timed_only_when_requests_ran_through_it():
+    from app.engine import LoadTracker
+
+    tracker = LoadTracker(kv_bytes_per_token=1024)
+    for running, now in ((0, 1.0), (2, 9.0), (2, 9.1), (0, 9.3), (1, 20.0)):
+        tracker.observe_step(running, 0, 0.1, now=now)
+        if now == 9.1:
+            assert abs(tracker.report.step_s - 0.1) < 1e-9
+    assert abs(tracker.report.step_s - (0.1 + 0.2 * (0.2 - 0.1))) < 1e-9, "idle gaps are not steps"
+
+
 def test_a_pull_is_charged_at_the_measured_cost_and_at_a_prior_share_before_any():
     unmeasured = LoadReport(compute_s_per_token=COST)
     measured = estimate(64, 960, 64, IDLE, IDLE, 0, 0, POLICY)
