@@ -46,6 +46,7 @@ class LoadTracker:
         self.measured_at = 0.0
         """When the compute cost was last measured (time.monotonic())."""
         self.stepped_at = 0.0
+        """When the last step's stats came (time.monotonic())."""
 
     def observe_step(self, running: int, waiting: int, kv_cache_usage: float, now: float | None = None) -> None:
         """Each step's stats; the time since the step before is a step's wall time if requests ran

@@ -113,30 +113,31 @@ def test_decode_releases_nothing_for_kept_sequences_later_turns_took(two_routers
     turn on the small decode pool, each turn taking the sequence the one before kept. All decode
     kept passes its pool share, what no turn took fits it: decode releases nothing (counted as
     held, the taken ones cost the idle conversation its KV) and counts what it holds."""
-    limits, client = two_routers_small_decode_pool.limits, make_client(base_url)
+    config, client = two_routers_small_decode_pool, make_client(base_url)
+    limits, block = config.limits, config.block_size
     settled_s = limits.bookkeeping_timeout_s + 2 * limits.retained_trim_interval_s  # records in, a tick ran
     time.sleep(settled_s)
     before = faults.engine_status("decode")
     budget = int(before.pool_blocks * limits.retained_pool_share)
     idle, chain = _messages("idle"), _messages("chain")
     turns = [chat_turn(client, idle, MAX_TOKENS)]
-    kept = before.kept_blocks + _kept_blocks(turns[0])
+    kept = before.kept_blocks + _kept_blocks(turns[0], block)
     while kept <= budget:
         turns.append(chat_turn(client, chain, MAX_TOKENS))
-        chain, kept = _next(chain, turns[-1], "More."), kept + _kept_blocks(turns[-1])
+        chain, kept = _next(chain, turns[-1], "More."), kept + _kept_blocks(turns[-1], block)
         time.sleep(settled_s)
     after = faults.engine_status("decode")
     assert after.kept_released == before.kept_released, "no sequence released: what nobody took fits"
-    held = before.kept_blocks + _kept_blocks(turns[0]) + _kept_blocks(turns[-1])
+    held = before.kept_blocks + _kept_blocks(turns[0], block) + _kept_blocks(turns[-1], block)
     assert held - 2 <= after.kept_blocks <= held, f"counts {after.kept_blocks} blocks, holds {held}"
     turns.append(chat_turn(client, _next(idle, turns[0], "More."), MAX_TOKENS))
     assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
-    assert turns[-1].cached_tokens >= _kept_blocks(turns[0]) * 32 - 32, "the idle conversation kept its KV"
+    assert turns[-1].cached_tokens >= (_kept_blocks(turns[0], block) - 1) * block, "the idle conversation kept its KV"
 
 
-def _kept_blocks(turn) -> int:
+def _kept_blocks(turn, block_size: int) -> int:
     """The blocks decode keeps after `turn`: its prompt and reply but the last token."""
-    return -(-(len(turn.prompt_ids) + len(turn.output_ids) - 1) // 32)
+    return -(-(len(turn.prompt_ids) + len(turn.output_ids) - 1) // block_size)
 
 
 @pytest.mark.own_app
