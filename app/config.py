@@ -377,7 +377,8 @@ class AppConfig:
     engine, so at least the conversations in flight per decode replica. vLLM's CPU default, set here."""
     later_turns_first: bool = True
     """Engines schedule by priority (vLLM's "priority" policy): a later turn's prompt, a short
-    append whose user waits, goes ahead of first turns waiting in the same engine; off: FCFS."""
+    append whose user waits, goes ahead of first turns waiting in the same engine, and decode's
+    continuation of a prompt computed on prefill ahead of both (app/turn.py); off: FCFS."""
     later_turns_before_chunks: bool = True
     """With `later_turns_first`: in a step where a later turn waits to start, the running chunks of
     first turns' prompts sit that step out and the later turn takes their place (app/scheduler.py);

@@ -48,14 +48,20 @@ class LaterTurnsBeforeChunks:
     def chunks_to_pause(self) -> list[Request]:
         if self.policy != SchedulingPolicy.PRIORITY or not self.waiting:
             return []
-        first = self.waiting.peek_request()
-        reads_kv = bool((first.kv_transfer_params or {}).get("remote_block_ids"))
-        if first.status != RequestStatus.WAITING or reads_kv or first.request_id == self.made_room_for:
+        # A reply that reads its KV (a continuation, first in the queue) takes no step budget to start:
+        # the first request that computes its prompt here decides.
+        first = next((r for r in self.waiting if not _reads_kv(r)), None)
+        if first is None or first.status != RequestStatus.WAITING or first.request_id == self.made_room_for:
             return []
         paused = [r for r in self.running if r.is_prefill_chunk and r.priority > first.priority]
         if paused:
             self.made_room_for = first.request_id
         return paused
+
+
+def _reads_kv(request: Request) -> bool:
+    return (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            or bool((request.kv_transfer_params or {}).get("remote_block_ids")))
 
 
 class LaterTurnsFirstScheduler(LaterTurnsBeforeChunks, Scheduler):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.protocol import PrefillRequest, PrefillResult, ReplyChunk, Role, SamplingSettings
-from app.turn import Turn, TurnLoop
+from app.turn import CONTINUATION_PRIORITY, Turn, TurnLoop
 from deployments.prefill import engine_settings, first_chunk
 from tests.factories import BLOCK, handoff
 from tests.fakes import DecodeGroup, run_turn, turn_loop
@@ -38,6 +38,8 @@ def test_the_first_token_comes_from_prefill_and_decode_continues_after_it():
     assert loop.groups[Role.PREFILL].prefill.calls[0].first_token == SamplingSettings(max_tokens=3, temperature=0.0)
     request = decode.generate.calls[0]
     assert request.prompt_token_ids == PROMPT + (7,) and request.sampling.max_tokens == 2
+    # The user has the first token: decode starts the rest ahead of every prompt waiting there.
+    assert request.priority == CONTINUATION_PRIORITY < loop.groups[Role.PREFILL].prefill.calls[0].priority
     assert prepared.log_entry["first_token_from"] == "prefill" and "ttft_ms" in prepared.log_entry
 
 

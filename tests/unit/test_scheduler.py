@@ -7,6 +7,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import RequestStatus
 
 from app.scheduler import LaterTurnsBeforeChunks
+from app.turn import CONTINUATION_PRIORITY as CONTINUATION
 from app.turn import turn_priority
 
 FIRST, LATER = turn_priority(later=False), turn_priority(later=True)
@@ -19,8 +20,8 @@ def request(request_id: str, priority: int, prefill_chunk: bool = False, status=
 
 
 def scheduler(running, waiting, policy=SchedulingPolicy.PRIORITY):
-    queue = SimpleNamespace(peek_request=lambda: waiting[0])
-    return SimpleNamespace(policy=policy, running=running, waiting=waiting and queue, made_room_for=None)
+    """`waiting` in the queue's order (vLLM's priority queue iterates by priority, then arrival)."""
+    return SimpleNamespace(policy=policy, running=running, waiting=waiting, made_room_for=None)
 
 
 def pause(state) -> list[str]:
@@ -47,6 +48,13 @@ def test_a_request_that_reads_its_kv_from_another_engine_pauses_nothing():
     assert pause(scheduler(running, [request("later", LATER, kv_transfer_params=handoff)])) == []
     held = {"do_remote_decode": True}  # computed here, then held for a reader
     assert pause(scheduler(running, [request("later", LATER, kv_transfer_params=held)])) == ["first-chunk"]
+
+
+def test_a_continuation_reading_its_kv_ahead_of_a_later_turn_does_not_cost_the_later_turn_its_pause():
+    running = [request("first-chunk", FIRST, prefill_chunk=True)]
+    continuation = request("continuation", CONTINUATION, kv_transfer_params={"remote_block_ids": [[1, 2]]})
+    assert pause(scheduler(running, [continuation, request("later", LATER)])) == ["first-chunk"]
+    assert pause(scheduler(running, [continuation, request("first", FIRST)])) == []
 
 
 def test_a_waiting_request_gets_one_pause_only():
