@@ -22,6 +22,9 @@ class TurnResult:
     prompt_tokens: int
     last_token_s: float = 0.0
     """When the last content chunk arrived (the stream's usage chunk and end come after it)."""
+    second_chunk_s: float = 0.0
+    """When the second content chunk arrived (0: one chunk, or not streamed): decode's first, where
+    prefill sent the first token."""
 
     @property
     def itl_s(self) -> float:
@@ -60,13 +63,12 @@ def completion_turn(client: OpenAI, prompt_ids: list[int], max_tokens: int, mode
 def _streamed(create, kwargs: dict[str, Any], content_of) -> TurnResult:
     """Timings from the client's side: the first and the last chunk that carries tokens (a token
     whose text is an incomplete character arrives with empty text: it counts too)."""
-    chunks, ttft, last = [], None, 0.0
+    chunks, arrivals = [], []
     start = time.perf_counter()
     for chunk in create(**kwargs, stream=True, stream_options={"include_usage": True}):
         dumped = chunk.model_dump()
         if dumped["choices"] and (dumped["choices"][0].get("token_ids") or content_of(dumped["choices"][0])):
-            last = time.perf_counter() - start
-            ttft = last if ttft is None else ttft
+            arrivals.append(time.perf_counter() - start)
         chunks.append(dumped)
     choices = [c["choices"][0] for c in chunks if c["choices"]]
     usage = chunks[-1]["usage"]
@@ -75,5 +77,7 @@ def _streamed(create, kwargs: dict[str, Any], content_of) -> TurnResult:
                                                                                  for ch in c["choices"])) if ids), [])
     return TurnResult(chunks[0]["id"], prompt_ids, [t for ch in choices for t in ch.get("token_ids") or []],
                       "".join(content_of(ch) or "" for ch in choices), _cached(usage),
-                      ttft_s=ttft if ttft is not None else time.perf_counter() - start,
-                      e2e_s=time.perf_counter() - start, prompt_tokens=usage["prompt_tokens"], last_token_s=last)
+                      ttft_s=arrivals[0] if arrivals else time.perf_counter() - start,
+                      e2e_s=time.perf_counter() - start, prompt_tokens=usage["prompt_tokens"],
+                      last_token_s=arrivals[-1] if arrivals else 0.0,
+                      second_chunk_s=arrivals[1] if len(arrivals) > 1 else 0.0)
