@@ -3,11 +3,12 @@
 Fields this server does not implement are refused by name when they ask for something (`n` > 1,
 `tools`, `logprobs`, ...), never silently ignored; other unknown fields are accepted and ignored
 (clients send many). `kv_transfer_params` in particular is never read: only the router's own
-records decide what is pulled from where. A client-supplied `chat_template` is refused.
+records decide what is pulled from where. A client-supplied `chat_template` is refused. Sampling
+fields are typed here and checked by vLLM's own code in the router (app/request_check.py), not by
+a copy of its rules.
 """
 
 import json
-import re
 import time
 from typing import Any
 
@@ -68,15 +69,7 @@ class StreamOptions(BaseModel):
 
 class StructuredOutputs(BaseModel):
     regex: str
-
-    @field_validator("regex")
-    @classmethod
-    def _compiles(cls, regex: str) -> str:
-        try:
-            re.compile(regex)
-        except re.error as exc:
-            raise ValueError(f"invalid regex: {exc}") from None
-        return regex
+    """Bounded by the frontend (`limits.max_regex_bytes`), compiled by the router's check, off any event loop."""
 
 
 class GenerationRequest(BaseModel):
@@ -84,9 +77,12 @@ class GenerationRequest(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """vLLM's extension: sample among the k likeliest tokens (0 or -1: all)."""
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    """Within int64, as vLLM's server bounds it."""
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -116,7 +112,7 @@ class GenerationRequest(BaseModel):
     def sampling(self, default_max_tokens: int) -> SamplingSettings:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingSettings(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
-                                temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                                 stop=stop, ignore_eos=self.ignore_eos,
                                 regex=self.structured_outputs.regex if self.structured_outputs else None)
 

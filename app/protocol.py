@@ -43,6 +43,9 @@ class LoadReport:
     """Seconds per token of KV read over NIXL by this engine, from its transfers (0: none yet)."""
     step_s: float = 0.0
     """Wall time of the engine's recent steps while it had requests running (smoothed; 0: none yet)."""
+    nixl_backends: tuple[str, ...] = ()
+    """The NIXL backends the engine moves KV over, those its pull cost is measured on. Here because the
+    load is what the index passes on to routers from each heartbeat: /health lists it per engine."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,8 @@ class SamplingSettings:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    """0 (or -1): every token is a candidate."""
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False

@@ -2,6 +2,7 @@
 
     ReplyStream: DecodeRequest ──engine replica──▶ ReplyChunk…   (counted as load while open)
     migrated():  a reply whose engine died ──▶ the same request from the prompt + tokens already sent
+    refusal():   a call the engine refused, alive ──▶ the client's error (400/500): no other engine tried
 """
 
 import asyncio
@@ -10,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
+from app.chat import BadRequest
 from app.protocol import DecodeRequest, ReplyChunk, Role
 
 
@@ -23,6 +25,30 @@ class StageTimeout(TimeoutError):
 
 class EngineGone(RuntimeError):
     """The replica a call waits on left the live set (its heartbeats stopped, or a call to it failed)."""
+
+
+class EngineRefused(RuntimeError):
+    """An engine could not run the request and lives on: the client gets 500 with the reason."""
+
+
+def refusal(exc: BaseException) -> Exception | None:
+    """The client's error when an engine call failed through the request itself, or None when the
+    engine or its replica failed. vLLM raises its client errors (VLLMClientError: 400) and
+    ValueError, TypeError, OverflowError or EngineGenerateError (500: not clearly the client's)
+    for a request it cannot take, and its engine lives on; the other engines would fail the same
+    request the same way. Marking each suspect took every engine from every tenant for
+    `suspect_replica_s`, so only a dead engine, a dead replica or a timeout moves a turn."""
+    from ray.exceptions import RayTaskError
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    # Ray raises the replica's exception as itself, or wrapped when it cannot subclass it.
+    for error in (exc, exc.cause) if isinstance(exc, RayTaskError) else (exc,):
+        if isinstance(error, VLLMClientError):
+            return BadRequest(f"the engine refused the request: {error}")
+        if isinstance(error, ValueError | TypeError | OverflowError | EngineGenerateError):
+            return EngineRefused(f"the engine could not run the request: {type(error).__name__}: {error}")
+    return None
 
 
 GONE_POLL_S = 0.5

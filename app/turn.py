@@ -11,7 +11,9 @@ A short append to a conversation a decode replica retains skips prefill: DecodeR
 no handoff) goes to that replica, which computes the new tokens from its prefix cache.
 Degraded, never down: no live decode replica ──▶ the whole turn on a prefill engine; no live
 prefill replica ──▶ on a decode engine; an engine that dies mid-reply ──▶ the reply continues on
-another engine from the prompt plus the tokens already sent (greedy replies stay token-exact).
+another engine from the prompt plus the tokens already sent (greedy replies stay token-exact). A
+request an engine refuses itself (vLLM's checks; the engine lives on) is the client's error: no
+engine is suspected and none is tried next (app/reply.py refusal).
 """
 
 import asyncio
@@ -47,7 +49,7 @@ from app.protocol import (
     SamplingSettings,
     TurnRecords,
 )
-from app.reply import EngineGone, NoEngineAlive, ReplyStream, StageTimeout, migrated, timed, unless_gone
+from app.reply import EngineGone, NoEngineAlive, ReplyStream, StageTimeout, migrated, refusal, timed, unless_gone
 from app.routing import CostWeights, PrefillChooser, RoutingPolicy
 
 logger = logging.getLogger("ray.serve")
@@ -250,6 +252,7 @@ class TurnLoop:
             except (StageTimeout, NoEngineAlive):
                 raise
             except Exception as exc:  # noqa: BLE001 - the engine died mid-reply: continue it elsewhere
+                self._unless_refused(exc, "reply", prepared.turn.request_id)
                 if prepared.turn.sampling.regex:  # a grammar's state cannot move to another engine
                     raise
                 self._failed(stream.replica_id, "reply", prepared.turn.request_id, exc)
@@ -415,6 +418,7 @@ class TurnLoop:
             except (StageTimeout, NoEngineAlive):
                 raise
             except Exception as exc:  # noqa: BLE001 - another engine, or the other group, can take the turn
+                self._unless_refused(exc, decision.action.value, turn.request_id)
                 if decision.action == Action.PULL and not isinstance(exc, EngineGone):  # recompute, pulling nothing
                     self._failed("", "kv_pull", turn.request_id, exc)
                     decision = replace(decision, action=Action.RECOMPUTE, reason=Reason.PULL_FAILED, pull=None)
@@ -503,6 +507,15 @@ class TurnLoop:
     def _stream(self, role: Role, request: DecodeRequest) -> ReplyStream:
         return ReplyStream(self.groups[role], self.engines.streams, role, request,
                            gone=partial(self.engines.gone, role, request.target_replica_id))
+
+    @staticmethod
+    def _unless_refused(exc: BaseException, stage: str, request_id: str) -> None:
+        """Raise the client's error if the engine refused the request itself (app/reply.py refusal):
+        no engine is suspected and none is tried next."""
+        if (refused := refusal(exc)) is not None:
+            logger.warning(json.dumps({"event": "engine_refused_request", "stage": stage, "request_id": request_id,
+                                       "error": f"{type(exc).__name__}: {exc}"[:500]}))
+            raise refused from None
 
     def _failed(self, replica_id: str, stage: str, request_id: str, exc: BaseException) -> None:
         self.engines.suspect(replica_id)

@@ -1,8 +1,10 @@
 """The frontend: the OpenAI-compatible HTTP ingress, thin on purpose.
 
-client ──HTTP──▶ here: validate ──ClientRequest──▶ router ──ReplyStart, ReplyChunk…──▶ here ──▶ SSE/JSON
-It holds no conversation state, so nothing is lost with it but its open connections; a router
-replica that dies mid-reply is replaced under the reply (app/relay.py). Every failure answers in
+client ──HTTP──▶ here: key, validate ──ClientRequest──▶ router ──ReplyStart, ReplyChunk…──▶ here ──▶ SSE/JSON
+The API key is checked first, before the body is read (deployments/http_guard.py); /docs, /redoc
+and /openapi.json are served only with `openapi_docs`. It holds no conversation state, so nothing
+is lost with it but its open connections; a router replica that dies mid-reply is replaced under
+the reply (app/relay.py). Every failure answers in
 the OpenAI error shape: 400/401/403/404/413 for the client's mistakes, 503 + Retry-After past its
 admission bound or while no engine or router can serve, 504 when a stage times out, 500 otherwise
 (in-band once a stream has started).
@@ -36,15 +38,15 @@ from app.openai_api import (
 )
 from app.protocol import ClientRequest
 from app.relay import Admission, NoRouterAlive, Relay
-from app.reply import NoEngineAlive, StageTimeout
+from app.reply import EngineRefused, NoEngineAlive, StageTimeout
 from app.routing import NoPrefillReplica
-from app.tenants import Forbidden, Unauthorized, require_admin
-from deployments.http_guard import HttpGuard, error_response
+from app.tenants import KeyRing, Unauthorized
+from deployments.http_guard import HttpGuard, error_response, open_paths, serve_docs
 
 logger = logging.getLogger("ray.serve")
 ROUTER_ATTEMPTS = 3
 """Router replicas one reply may use: the first, then up to two more if one dies under it."""
-api = FastAPI(title="kv-loop")
+api = FastAPI(title="kv-loop", docs_url=None, redoc_url=None, openapi_url=None)
 api.add_middleware(HttpGuard)
 
 
@@ -64,9 +66,9 @@ async def _unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
     return error_response(str(exc), 401)
 
 
-@api.exception_handler(Forbidden)
-async def _forbidden(_: Request, exc: Forbidden) -> JSONResponse:
-    return error_response(str(exc), 403)
+@api.exception_handler(EngineRefused)
+async def _refused(_: Request, exc: EngineRefused) -> JSONResponse:
+    return error_response(str(exc), 500)
 
 
 @api.exception_handler(NoPrefillReplica)
@@ -83,6 +85,11 @@ async def _timed_out(_: Request, exc: StageTimeout) -> JSONResponse:
     return error_response(str(exc), 504)
 
 
+def in_band_status(exc: Exception) -> int:
+    """The status of an error reported inside a stream whose headers (200) are sent."""
+    return 400 if isinstance(exc, BadRequest) else 504 if isinstance(exc, StageTimeout) else 500
+
+
 @serve.deployment
 @serve.ingress(api)
 class Frontend:
@@ -91,6 +98,9 @@ class Frontend:
         self.router = router.options(_by_reference=False)
         self.streams = router.options(stream=True, _by_reference=False)
         api.state.max_request_bytes, api.state.retry_after_s = self.limits.max_request_bytes, self.limits.retry_after_s
+        if config.openapi_docs:
+            serve_docs(api)
+        api.state.keys, api.state.open_paths = KeyRing.of(config.api_keys, config.admin_api_keys), open_paths(api)
         # Admission is counted here, not left to Serve's caller-side queue bound: under a burst
         # Serve sent 20 of 20 requests on with 12 places (a replica's refusals re-enter its queue
         # unchecked). One frontend replica holds what one router replica does.
@@ -134,8 +144,8 @@ class Frontend:
                                             "owned_by": "kv-loop", "max_model_len": self.config.max_model_len}]}
 
     @api.get("/admin/decisions")
-    async def decisions(self, n: int = 100, authorization: str | None = Header(None)) -> list[dict[str, Any]]:
-        require_admin(authorization, self.config.api_keys, self.config.admin_api_keys)
+    async def decisions(self, n: int = 100) -> list[dict[str, Any]]:
+        """Admin keys only (the guard checked the key)."""
         return await self.router.decisions.remote(n)
 
     @api.post("/v1/chat/completions")
@@ -153,6 +163,10 @@ class Frontend:
         if body.model and body.model != self.config.model_name:
             return error_response(f"the model {body.model!r} does not exist; this server serves "
                                   f"{self.config.model_name!r}", 404)
+        regex_bytes = len(body.structured_outputs.regex.encode()) if body.structured_outputs else 0
+        if regex_bytes > self.limits.max_regex_bytes:  # the router compiles it: bound its time there
+            raise BadRequest(f"structured_outputs.regex: {regex_bytes} bytes exceed this server's limit of "
+                             f"{self.limits.max_regex_bytes}")
         relay = Relay(self.streams, request, body.sampling(DEFAULT_MAX_TOKENS).max_tokens, ROUTER_ATTEMPTS,
                       movable=body.structured_outputs is None,  # a grammar's state cannot move
                       on_move=lambda stage: self.moves.inc(1, {"stage": stage}))
@@ -193,8 +207,8 @@ class Frontend:
                     ids = list(chunk.token_ids) if body.return_token_ids else None
                     yield shape.chunk(chunk.text, chunk.finish_reason, ids, prompt)
                     prompt = None
-        except StageTimeout as exc:  # headers are sent: report in-band, then end the stream
-            yield sse(error_body(str(exc), 504))
+        except (BadRequest, EngineRefused, StageTimeout) as exc:  # headers are sent: report in-band, then end
+            yield sse(error_body(str(exc), in_band_status(exc)))
         except Exception as exc:  # noqa: BLE001
             logger.exception("stream of %s failed", start.request_id)
             yield sse(error_body(f"generation failed: {type(exc).__name__}", 500))

@@ -1,16 +1,20 @@
-"""The frontend's outermost ASGI layer: body-size cap (413) and the OpenAI error shape for any failure
-that escapes the handlers (never Starlette's plain-text 500).
+"""The frontend's outermost ASGI layer: the API key (401/403), the body-size cap (413), and the OpenAI
+error shape for any failure that escapes the handlers (never Starlette's plain-text 500).
 
-HTTP ──▶ HttpGuard ──▶ FastAPI (validation, handlers) ──▶ ...
-Pure ASGI rather than Starlette's BaseHTTPMiddleware, which would wrap every streamed chunk.
+HTTP ──▶ HttpGuard: key, size ──▶ FastAPI (body read, validation, handlers, admission) ──▶ ...
+The key is checked before anything reads the body or takes an admission place: a request without
+a valid key costs the server its headers only. Pure ASGI rather than Starlette's
+BaseHTTPMiddleware, which would wrap every streamed chunk.
 """
 
 import json
 import logging
 
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from app.openai_api import error_body
+from app.tenants import Forbidden, Unauthorized
 
 logger = logging.getLogger("ray.serve")
 
@@ -18,6 +22,21 @@ logger = logging.getLogger("ray.serve")
 def error_response(message: str, status: int, retry_after_s: int | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return JSONResponse(error_body(message, status), status_code=status, headers=headers)
+
+
+HEALTH_PATH = "/health"
+
+
+def serve_docs(app: FastAPI) -> None:
+    """Turn on FastAPI's /openapi.json, /docs and /redoc, which the frontend's app is built without."""
+    app.openapi_url, app.docs_url, app.redoc_url = "/openapi.json", "/docs", "/redoc"
+    app.setup()
+
+
+def open_paths(app: FastAPI) -> frozenset[str]:
+    """Paths answered without a key: health, and the API docs when they are served."""
+    docs = (app.openapi_url, app.docs_url, app.redoc_url, app.docs_url and app.swagger_ui_oauth2_redirect_url)
+    return frozenset({HEALTH_PATH, *filter(None, docs)})
 
 
 class BodyTooLarge(Exception):
@@ -31,8 +50,12 @@ class HttpGuard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = scope["app"].state.max_request_bytes  # Starlette puts the app in the scope before its middleware
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        state = scope["app"].state  # Starlette puts the app in the scope before its middleware
+        headers = dict(scope.get("headers") or [])
+        if (refused := _refused(state, scope["path"], headers.get(b"authorization"))) is not None:
+            return await _send_json(send, refused)
+        limit = state.max_request_bytes
+        declared = headers.get(b"content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             return await _send_json(send, _too_large(limit))
         received, started = 0, False
@@ -59,6 +82,16 @@ class HttpGuard:
             logger.exception("request failed")
             if not started:
                 await _send_json(send, (500, error_body(f"internal error: {type(exc).__name__}", 500)))
+
+
+def _refused(state, path: str, authorization: bytes | None) -> tuple[int, dict] | None:
+    """401 or 403 unless the key may reach `path` (app/tenants.py KeyRing.authenticate)."""
+    try:
+        state.keys.authenticate(path, authorization.decode("latin-1") if authorization else None, state.open_paths)
+    except (Unauthorized, Forbidden) as exc:
+        status = 401 if isinstance(exc, Unauthorized) else 403
+        return status, error_body(str(exc), status)
+    return None
 
 
 def _too_large(limit: int) -> tuple[int, dict]:

@@ -57,6 +57,39 @@ def test_a_grammar_turn_is_not_moved():
         asyncio.run(run_turn(loop, _turn(regex="[0-9 ]+")))
 
 
+def _refusing(exc: Exception) -> Remote:
+    """An engine's generate that refuses every request (vLLM raised before the first output)."""
+    async def stream(_request):
+        raise exc
+        yield  # an async generator, as the replica's generate is
+
+    return Remote(stream)
+
+
+@pytest.mark.parametrize("prefill_refuses", [True, False])
+def test_a_request_the_engine_refuses_is_the_client_s_error_tried_once_and_suspects_no_engine(prefill_refuses):
+    """vLLM refused it (it refuses it on every engine): today's 503 for every tenant came from
+    suspecting each engine in turn. Prefill refusing it, or decode refusing the continuation."""
+    from vllm.exceptions import VLLMValidationError
+
+    from app.chat import BadRequest
+    from app.config import Placement
+
+    refused = VLLMValidationError("stop cannot contain an empty string.")
+    loop = turn_loop(PREFILLED, DecodeGroup(REPLY), members=Membership(("p0", "p1"), ("d0", "d1")),
+                     placement=Placement(load_aware=False))
+    prefill, decode = loop.groups[Role.PREFILL], loop.groups[Role.DECODE]
+    if prefill_refuses:
+        prefill.prefill, prefill.generate = Remote(lambda _: refused), _refusing(refused)
+    decode.generate = _refusing(refused)
+    with pytest.raises(BadRequest, match="stop cannot contain an empty string"):
+        asyncio.run(run_turn(loop, _turn()))
+    calls = [*prefill.prefill.calls, *prefill.generate.calls, *decode.generate.calls]
+    assert len(calls) == (1 if prefill_refuses else 2), "tried once: prefill, then decode's continuation"
+    assert loop.engines.live(Role.PREFILL) == ["p0", "p1"] and loop.engines.live(Role.DECODE) == ["d0", "d1"]
+    loop.metrics.record_engine_failure.assert_not_called()
+
+
 def test_no_live_decode_runs_the_whole_turn_on_prefill_and_no_engine_at_all_is_a_503():
     loop = turn_loop(PREFILLED, DecodeGroup(REPLY), members=Membership(("p0",), ()))
     chunks, prepared = asyncio.run(run_turn(loop, _turn()))

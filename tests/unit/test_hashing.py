@@ -60,11 +60,11 @@ def test_parity_with_vllms_own_block_hashes(monkeypatch, tmp_path):
 def test_per_user_salting_is_opt_in_per_tenant():
     import pytest
 
-    from app.tenants import Unauthorized, cache_scope
+    from app.tenants import KeyRing, Unauthorized, cache_scope
 
-    keys = {"ka": "a", "kb": "b"}
+    keys = KeyRing.of({"ka": "a", "kb": "b"}, ())
     assert cache_scope("Bearer ka", "u1", keys, ("b",)) == "a"
     assert cache_scope("Bearer kb", "u1", keys, ("b",)) == "b/u1" != cache_scope("Bearer kb", "u2", keys, ("b",))
-    assert cache_scope(None, "u1", {}, ()) == "default"
+    assert cache_scope(None, "u1", KeyRing(), ()) == "default"
     with pytest.raises(Unauthorized):
         cache_scope("Bearer nope", None, keys, ())

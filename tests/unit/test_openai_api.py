@@ -40,9 +40,20 @@ def test_no_op_values_of_unimplemented_fields_are_accepted():
                           response_format={"type": "text"}, presence_penalty=0)
 
 
-def test_image_parts_and_invalid_regexes_are_refused():
+def test_image_parts_are_refused_and_sampling_values_are_left_to_vllm_s_checks():
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
     with pytest.raises(ValidationError, match="image_url are not supported"):
         ChatCompletionRequest(messages=[{"role": "user", "content": [image]}])
-    with pytest.raises(ValidationError, match="invalid regex"):
-        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], structured_outputs={"regex": "(["})
+    # Typed here, checked by vLLM's own code in the router (app/request_check.py): no compile on the frontend's loop.
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], structured_outputs={"regex": "(["},
+                                 temperature=-1, top_k=-5, stop=[""])
+    sampling = body.sampling(16)
+    assert (sampling.regex, sampling.temperature, sampling.top_k, sampling.stop) == ("([", -1, -5, ("",))
+
+
+def test_a_seed_beyond_int64_is_refused_as_vllm_s_server_refuses_it():
+    for seed in (2**63, -(2**63) - 1, 2**64):
+        with pytest.raises(ValidationError, match="seed"):
+            ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], seed=seed)
+    largest = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], seed=2**63 - 1)
+    assert largest.sampling(1).seed == 2**63 - 1

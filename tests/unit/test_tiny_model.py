@@ -46,8 +46,7 @@ def test_append_keeps_the_recorded_tokens_and_adds_only_the_new_messages(tokeniz
     from app.chat import PromptRenderer
     from app.conversations import ConversationRecord
 
-    renderer = PromptRenderer.__new__(PromptRenderer)
-    renderer.tokenizer, renderer.max_model_len = tokenizer, 4096
+    renderer = PromptRenderer(tokenizer.name_or_path, 4096)
     first = renderer.chat(TURN1, {"enable_thinking": False})
     generated = tokenizer.encode("Hello there", add_special_tokens=False)
     record = ConversationRecord(token_ids=(*first, *generated), num_prompt_tokens=len(first), message_keys=("k",),
