@@ -34,9 +34,8 @@ class EngineGroupConfig:
     replicas: int = 1
     """Engine replicas in this group; each is a Serve replica holding one vLLM AsyncLLM."""
     cpus_per_replica: float = 1.0
-    """Logical CPUs in the replica's placement-group bundle."""
-    gpus_per_replica: float = 0.0
-    """GPUs in the bundle (equal to tensor_parallel_size on GPU nodes)."""
+    """Logical CPUs in the replica's placement-group bundle (its GPUs follow from the parallelism:
+    AppConfig.gpus_per_engine)."""
     bundle_resources: Mapping[str, float] = field(default_factory=dict)
     """Extra custom resources per bundle, e.g. {"efa": 1} or a node-type label resource."""
     prefix_caching: bool = True
@@ -108,6 +107,14 @@ class Limits:
     """Request bodies above this get 413 before they are parsed."""
     max_messages: int = 2048
     """Chat messages per request above this get 400."""
+    max_regex_bytes: int = 8192
+    """A `structured_outputs.regex` longer than this gets 400 at the frontend. An engine's grammar
+    compile grows faster than the pattern: here 5 KB took 0.12 s, 15 KB 1.1 s, 32 KB 5.4 s and
+    65 KB 54 s of an engine core (xgrammar, the embedded model's 2,048-token vocabulary)."""
+    render_timeout_s: float = 2.0
+    """Rendering and checking one request in the router (chat template, tokenizer, vLLM's checks of
+    its sampling parameters), counted from when its own work starts; past it: 400. Prompts too long
+    for the context are refused before they are tokenized (a 4 MB one took 2 s to tokenize here)."""
     heartbeat_interval_s: float = 1.0
     """How often each engine replica renews its registration in the KV index."""
     registration_ttl_s: float = 5.0
@@ -144,8 +151,8 @@ class Limits:
             "router_max_ongoing_requests", "engine_max_ongoing_requests", "index_max_ongoing_requests",
             "router_max_queued_requests", "engine_max_queued_requests", "index_max_queued_requests",
             "bookkeeping_timeout_s", "index_wait_at_start_s", "prefill_timeout_s", "first_chunk_timeout_s",
-            "stream_idle_timeout_s", "max_request_bytes", "max_messages", "heartbeat_interval_s",
-            "health_check_period_s", "drain_timeout_s", "retained_trim_interval_s")}
+            "stream_idle_timeout_s", "max_request_bytes", "max_messages", "max_regex_bytes", "render_timeout_s",
+            "heartbeat_interval_s", "health_check_period_s", "drain_timeout_s", "retained_trim_interval_s")}
         failed = [f"limits.{name} must be > 0" for name, value in positive.items() if value <= 0]
         if self.registration_ttl_s < 2 * self.heartbeat_interval_s:
             failed.append("limits.registration_ttl_s must be at least twice limits.heartbeat_interval_s")
@@ -173,7 +180,9 @@ class Placement:
     prior_pull_share: float = 0.05
     """Until an engine has measured a transfer, a pulled token costs this share of a computed one."""
     probe_tokens: int = 256
-    """Each engine times a prefill of this many tokens at start: its first measured compute cost."""
+    """Each engine times a prefill of this many tokens at start: its first measured compute cost.
+    Sized for the device: the prefill must be long enough that compute, not the step's fixed cost,
+    sets its time (256 on this CPU; an H200 needs thousands, serve.yaml sets 4096)."""
     cost_refresh_s: float = 10.0
     """An engine whose compute cost is older than this re-times it with one probe once it has been
     idle for `cost_refresh_quiet_s` (real turns that ran alone count as measurements): a side that
@@ -320,6 +329,20 @@ class AppConfig:
     """Where the embedded model is built."""
     device: Device = Device.CPU
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    """Pipeline stages per engine. An engine's ranks (tensor x pipeline) run as processes of vLLM's
+    multiprocessing executor inside its Serve replica, on the replica's node: one engine spans one
+    node at most (docs/design.md, "Engine placement")."""
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """vLLM engine arguments passed through unchanged (quantization, kv_cache_dtype, ...), as Ray
+    Serve LLM's `LLMConfig.engine_kwargs`: names are checked against vLLM's `EngineArgs` when the
+    config loads, values by vLLM when the engine builds its config. The arguments the app sets
+    itself (APP_ENGINE_ARGS) are refused here: set them through the app's own keys."""
+    cpu_tuning_on_gpu: bool = False
+    """The engine tuning for CPU cores shared with the serving path (engine_nice, engine_busy_poll_s,
+    engine_queue_recheck_ms, bind_engine_cores, engine_idle_poll_s, nixl_poll_delay_us and the NIXL
+    worker extension) applies on device cpu only; on cuda vLLM's and NIXL's own behaviour stands
+    unless this turns it on."""
     block_size: int = 32
     """Tokens per KV block; the CPU attention backend needs a multiple of 32."""
     max_model_len: int = 8192
@@ -365,7 +388,12 @@ class AppConfig:
     prefix_hash_seed: int = DEFAULT_HASH_SEED
     """PYTHONHASHSEED of every engine: vLLM's root block hash, which the router's hashes must share."""
     nixl_backends: tuple[str, ...] = ("UCX",)
-    """NIXL transfer backends: UCX here; LIBFABRIC on EFA nodes."""
+    """NIXL transfer backends: UCX here; LIBFABRIC on EFA nodes. An engine replica checks at start
+    that each one loads, and stops with the missing library's name if one does not."""
+    nixl_fallback_to_ucx: bool = False
+    """A requested backend that does not load is replaced by UCX, with a warning, instead of
+    stopping the replica. Off on purpose: on EFA nodes UCX without libefa moves KV over TCP, an
+    order of magnitude slower, and placement then avoids pulls (a slow service, not a dead one)."""
     nixl_poll_delay_us: int = 100
     """NIXL progress-thread sleep between polls; NIXL's own 0 spins a core per engine."""
     stream_interval_tokens: int = 4
@@ -433,7 +461,12 @@ class AppConfig:
     limits: Limits = Limits()
     replica_runtime: ReplicaRuntime = ReplicaRuntime()
     api_keys: Mapping[str, str] = field(default_factory=dict)
-    """API key -> tenant. Empty: every request is tenant "default". Set: unknown keys get 401."""
+    """API key -> tenant. Empty: every request is tenant "default". Set: unknown keys get 401, before
+    the body is read. A key may be given as `sha256:<hex digest>` so that the config holds no key;
+    the app keeps digests only."""
+    openapi_docs: bool = False
+    """Serve /docs, /redoc and /openapi.json (open, without a key). Off: they describe every endpoint
+    and extension to anyone who can reach the server."""
     admin_api_keys: tuple[str, ...] = ()
     """Keys that may read /admin/*; once api_keys or these are set, /admin answers no one else."""
     per_user_salt_tenants: tuple[str, ...] = ()
@@ -444,6 +477,19 @@ class AppConfig:
             "block_size must be a positive multiple of 32 on CPU":
                 self.block_size > 0 and (self.device != Device.CPU or self.block_size % 32 == 0),
             "max_model_len must hold at least two blocks": self.max_model_len >= 2 * self.block_size,
+            "placement.probe_tokens must be below max_model_len": self.placement.probe_tokens < self.max_model_len,
+            "tensor_parallel_size and pipeline_parallel_size must be >= 1":
+                min(self.tensor_parallel_size, self.pipeline_parallel_size) >= 1,
+            # Each stream holds an engine replica's slot until its last token: a replica admitting
+            # fewer than its engine runs leaves the rest of the batch empty.
+            "limits.engine_max_ongoing_requests must be >= engine_max_num_seqs":
+                self.limits.engine_max_ongoing_requests >= self.engine_max_num_seqs,
+            # Every reply streams through a router replica: routers admitting fewer than the decode
+            # group runs cap the service below what its engines hold.
+            "router_replicas * limits.router_max_ongoing_requests must be >= "
+            "decode.replicas * engine_max_num_seqs":
+                self.router_replicas * self.limits.router_max_ongoing_requests
+                >= self.decode.replicas * self.engine_max_num_seqs,
             "prefill.replicas and decode.replicas must be >= 1":
                 self.prefill.replicas >= 1 and self.decode.replicas >= 1,
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
@@ -476,9 +522,32 @@ class AppConfig:
                 not self.autoscaling.router.enabled
                 or self.autoscaling.router.target_ongoing_requests <= self.limits.router_max_ongoing_requests,
         }
-        failed = [msg for msg, ok in checks.items() if not ok]
+        failed = [msg for msg, ok in checks.items() if not ok] + engine_kwargs_problems(self.engine_kwargs)
         if failed:
             raise ValueError("invalid config: " + "; ".join(failed))
+
+    @property
+    def engine_world_size(self) -> int:
+        """Ranks per engine: vLLM's world size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def gpus_per_engine(self) -> int:
+        """GPUs each engine replica holds on cuda, one per rank: its multiprocessing workers inherit
+        the replica's CUDA_VISIBLE_DEVICES."""
+        return self.engine_world_size if self.device == Device.CUDA else 0
+
+    @property
+    def executor_backend(self) -> str:
+        """vLLM's distributed executor, always set: left unset inside a Serve replica, vLLM sees the
+        replica's placement group and picks its Ray executor, which refuses a bundle of more than one
+        GPU (vllm/v1/executor/ray_utils.py::initialize_ray_cluster)."""
+        return "mp" if self.engine_world_size > 1 else "uni"
+
+    @property
+    def tunes_shared_cpu(self) -> bool:
+        """Whether the engines get the tuning for cores shared with the serving path."""
+        return self.device == Device.CPU or self.cpu_tuning_on_gpu
 
     @property
     def model_name(self) -> str:
@@ -493,6 +562,29 @@ class AppConfig:
         if self.model == TINY_MODEL:
             return Path(os.path.expanduser(self.model_cache_dir)) / TINY_MODEL
         return Path(self.model)
+
+
+APP_ENGINE_ARGS = frozenset({
+    "model", "tokenizer", "served_model_name", "dtype", "block_size", "max_model_len", "enforce_eager",
+    "enable_prefix_caching", "prefix_caching_hash_algo", "tensor_parallel_size", "pipeline_parallel_size",
+    "distributed_executor_backend", "gpu_memory_utilization", "num_gpu_blocks_override", "stream_interval",
+    "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "scheduling_policy",
+    "scheduler_cls", "kv_transfer_config", "worker_extension_cls", "kv_events_config", "disable_log_stats"})
+"""The vLLM engine arguments app/engine.py sets from the app's own keys (a test keeps them equal)."""
+
+
+def engine_kwargs_problems(engine_kwargs: Mapping[str, Any]) -> list[str]:
+    """Names in `engine_kwargs` that vLLM's EngineArgs lacks or that the app sets itself. vLLM is
+    imported only when there are any: the default config loads without it."""
+    if not engine_kwargs:
+        return []
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(engine_kwargs) - known)
+    owned = sorted(set(engine_kwargs) & APP_ENGINE_ARGS)
+    return ([f"engine_kwargs: vLLM's EngineArgs has no {unknown}"] if unknown else []) + (
+        [f"engine_kwargs: {owned} are set by the app from its own keys (docs/configuration.md)"] if owned else [])
 
 
 def load_config(args: Mapping[str, Any] | None = None) -> AppConfig:

@@ -38,9 +38,12 @@ class LoadTracker:
     """Keeps the engine's LoadReport current: vLLM's scheduler stats every step, its finished
     prefills and its NIXL transfers for the measured costs."""
 
-    def __init__(self, kv_bytes_per_token: int, probe_window: int = 1) -> None:
-        self.report = LoadReport()
+    def __init__(self, kv_bytes_per_token: int, probe_window: int = 1, ranks: int = 1,
+                 nixl_backends: tuple[str, ...] = ()) -> None:
+        self.report = LoadReport(nixl_backends=nixl_backends)
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.ranks = ranks
+        """The engine's workers (tensor x pipeline parallel): vLLM reports each one's transfers."""
         self.probes: deque[float] = deque(maxlen=probe_window)
         """The last probes' costs (s a token); the least of them stands."""
         self.measured_at = 0.0
@@ -79,12 +82,27 @@ class LoadTracker:
         self.measured_at = time.monotonic()
 
     def observe_transfers(self, stats: dict[str, Any]) -> None:
-        """NIXL's transfer telemetry of this engine's reads (durations in s, sizes in bytes)."""
+        """NIXL's transfer telemetry of this engine's reads (durations in s, sizes in bytes), one record
+        per transfer per rank: the ranks' bytes add up to the tokens moved, and the ranks pull at once,
+        so the time is the slowest rank's (their sum would make a pull at TP 8 look 8 times dearer)."""
         moved = sum(stats.get("bytes_transferred") or ())
         if moved and self.kv_bytes_per_token:
-            seconds = sum(stats.get("transfer_duration") or ())
+            seconds = slowest_rank_seconds(stats.get("transfer_duration") or [], self.ranks)
             cost = _smoothed(self.report.pull_s_per_token, seconds / (moved / self.kv_bytes_per_token))
             self.report = replace(self.report, pull_s_per_token=cost)
+
+
+def slowest_rank_seconds(durations: list[float], ranks: int) -> float:
+    """The time of the slowest rank's transfers. vLLM lists the ranks' records one rank after another
+    (KVOutputAggregator extends rank 0's NixlKVConnectorStats with each other rank's), so `durations`
+    splits into `ranks` contiguous equal parts when its length divides. Otherwise the ranks finished
+    different numbers of transfers in the step and their records cannot be told apart: the total over
+    all ranks then stands, which never understates the slowest rank's time (a dear pull makes placement
+    recompute: slower, never wrong)."""
+    per_rank, uneven = divmod(len(durations), ranks)
+    if uneven:
+        return sum(durations)
+    return max(sum(durations[r * per_rank:(r + 1) * per_rank]) for r in range(ranks))
 
 
 def _smoothed(previous: float, sample: float) -> float:
@@ -125,7 +143,8 @@ class EngineIdentity:
     host: str
     port: int
     events_port: int
-    cpu_core: int | None
+    cpu_cores: tuple[int, ...]
+    """One core per rank, on CPU where cores are bound; empty otherwise."""
 
     @property
     def events_endpoint(self) -> str:
@@ -140,14 +159,16 @@ class EngineIdentity:
 
 
 def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> EngineIdentity:
-    """A unique engine id and side-channel port per replica; a core of its own where there is one.
-    Prefill takes cores from the first up, decode from the last down: replicas that autoscaling
-    adds to either group meet the other group's only when every core has an engine."""
-    cores = os.cpu_count() or 1
-    engine_index = rank if role == Role.PREFILL else cores - 1 - rank
-    core = engine_index % cores if config.device == Device.CPU and config.bind_engine_cores else None
+    """A unique engine id and side-channel port per replica; a core of its own per engine rank where
+    there is one. Prefill takes cores from the first up, decode from the last down: replicas that
+    autoscaling adds to either group meet the other group's only when every core has a rank."""
+    cores, ranks = os.cpu_count() or 1, config.engine_world_size
+    first = rank * ranks
+    indices = [first + i if role == Role.PREFILL else cores - 1 - first - i for i in range(ranks)]
+    bound = config.device == Device.CPU and config.bind_engine_cores
     return EngineIdentity(role=role, engine_id=f"{role.value}-{rank}-{uuid.uuid4().hex[:8]}",
-                          host=host, port=free_port(host), events_port=free_port(host), cpu_core=core)
+                          host=host, port=free_port(host), events_port=free_port(host),
+                          cpu_cores=tuple(i % cores for i in indices) if bound else ())
 
 
 def engine_plugin_env(config: AppConfig) -> dict[str, str]:
@@ -158,17 +179,18 @@ def engine_plugin_env(config: AppConfig) -> dict[str, str]:
 def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIdentity) -> dict[str, str]:
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": identity.host,
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(identity.port),
-           POLL_DELAY_ENV: str(config.nixl_poll_delay_us),
-           IDLE_POLL_ENV: str(config.engine_idle_poll_s),
            # vLLM derives its root block hash from this; the router hashes with the same seed.
            "PYTHONHASHSEED": str(config.prefix_hash_seed),
            # Full block hashes in KV events, so they equal the router's (not their low 64 bits).
            "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}
     if config.device == Device.CPU:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(group.kv_cache_gib)
-        env.update(engine_plugin_env(config))
-    if identity.cpu_core is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(identity.cpu_core)
+    if config.tunes_shared_cpu:
+        env.update({POLL_DELAY_ENV: str(config.nixl_poll_delay_us), IDLE_POLL_ENV: str(config.engine_idle_poll_s),
+                    **engine_plugin_env(config)})
+    if identity.cpu_cores:
+        # vLLM's CPU workers take one "|"-separated core list per rank.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, identity.cpu_cores))
     return env
 
 
@@ -194,18 +216,21 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         })
     path = str(config.model_path())
     return AsyncEngineArgs(
+        **config.engine_kwargs,
         model=path, tokenizer=path, served_model_name=[config.model_name], dtype=config.engine_dtype,
         block_size=config.block_size, max_model_len=config.max_model_len,
         enforce_eager=config.enforce_eager, enable_prefix_caching=group.prefix_caching,
         prefix_caching_hash_algo=HASH_ALGO,
-        tensor_parallel_size=config.tensor_parallel_size,
+        tensor_parallel_size=config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size,
+        distributed_executor_backend=config.executor_backend,
         gpu_memory_utilization=group.gpu_memory_utilization,
         num_gpu_blocks_override=group.num_gpu_blocks_override or None,
         stream_interval=config.stream_interval_tokens, max_num_seqs=config.engine_max_num_seqs,
         max_num_batched_tokens=group.max_batched_tokens,
         long_prefill_token_threshold=group.long_prefill_tokens,
         scheduling_policy=scheduling_policy(config), scheduler_cls=scheduler_class(config),
-        kv_transfer_config=transfer, worker_extension_cls="app.nixl_worker.NixlWorkerExtension",
+        kv_transfer_config=transfer,
+        worker_extension_cls="app.nixl_worker.NixlWorkerExtension" if config.tunes_shared_cpu else "",
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=identity.engine_events_endpoint)
         if publishes_kv_events(config, identity.role) else None,
@@ -232,13 +257,15 @@ def scheduler_class(config: AppConfig) -> str | None:
 
 
 def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, Any]):
+    """vLLM's SamplingParams of a request; its constructor refuses what vLLM would not run (the
+    router builds them with this same function to refuse a request before any engine sees it)."""
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
     structured = StructuredOutputsParams(regex=settings.regex) if settings.regex else None
     return SamplingParams(
         max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p,
-        seed=settings.seed, stop=list(settings.stop) or None, ignore_eos=settings.ignore_eos,
+        top_k=settings.top_k, seed=settings.seed, stop=list(settings.stop) or None, ignore_eos=settings.ignore_eos,
         structured_outputs=structured, extra_args={"kv_transfer_params": kv_transfer_params})
 
 
@@ -331,7 +358,8 @@ class Engine:
         os.environ.update(engine_env(config, group, self.identity))
         self.endpoint = EngineEndpoint(engine_id=self.identity.engine_id, host=host,
                                        port=self.identity.port, tp_size=config.tensor_parallel_size)
-        self.tracker = LoadTracker(kv_bytes_per_token(config.model_path()), config.placement.probe_window)
+        self.tracker = LoadTracker(kv_bytes_per_token(config.model_path()), config.placement.probe_window,
+                                   config.engine_world_size, config.nixl_backends)
         # RayPrometheusStatLogger: vLLM's own metrics through Ray's endpoint (the dashboard's engine panels).
         self.llm = AsyncLLM.from_engine_args(engine_args(config, group, self.identity),
                                              stat_loggers=[load_logger_factory(self.tracker), RayPrometheusStatLogger])

@@ -34,10 +34,12 @@ def _replica_options(config: AppConfig, **actor_options: Any) -> dict[str, Any]:
 
 
 def _engine_options(config: AppConfig, group: EngineGroupConfig) -> dict[str, Any]:
-    limits = config.limits
-    bundle = {"CPU": group.cpus_per_replica, **({"GPU": group.gpus_per_replica} if group.gpus_per_replica else {}),
-              **group.bundle_resources}
-    return {**_replica_options(config, num_cpus=group.cpus_per_replica, num_gpus=group.gpus_per_replica,
+    """One bundle per engine replica that holds the whole engine: the replica actor takes its GPUs and
+    vLLM's multiprocessing executor starts one worker process per rank under it (docs/design.md,
+    "Engine placement"). STRICT_PACK keeps it on one node."""
+    limits, gpus = config.limits, config.gpus_per_engine
+    bundle = {"CPU": group.cpus_per_replica, **({"GPU": gpus} if gpus else {}), **group.bundle_resources}
+    return {**_replica_options(config, num_cpus=group.cpus_per_replica, num_gpus=gpus,
                                resources=dict(group.bundle_resources)),
             "placement_group_bundles": [bundle], "placement_group_strategy": "STRICT_PACK",
             "max_ongoing_requests": limits.engine_max_ongoing_requests,

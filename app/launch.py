@@ -7,7 +7,8 @@ from app.graph import build_graph
 from app.model.tiny import ensure_tiny_model
 from app.ports import free_port
 
-APP_NAME = "kvloop"
+APP_NAME = "kv-loop"
+"""The Serve application's name, as serve.yaml and kuberay.yaml deploy it."""
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 WORKER_NICENESS_ENV, SERVING_NICENESS = "RAY_worker_niceness", 0
 """Ray starts its workers, so every Serve replica, at nice 15 by default. On the CPU layout the

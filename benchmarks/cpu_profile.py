@@ -8,9 +8,11 @@ import os
 
 import psutil
 
-ROLES = (("ServeReplica:kvloop:frontend", "frontend"), ("ServeReplica:kvloop:router", "router"),
-         ("ServeReplica:kvloop:prefill", "prefill replica"),
-         ("ServeReplica:kvloop:decode", "decode replica"), ("ServeReplica:kvloop:KVIndexServer", "kv index"),
+from app.launch import APP_NAME
+
+_APP = f"ServeReplica:{APP_NAME}:"
+ROLES = ((f"{_APP}frontend", "frontend"), (f"{_APP}router", "router"), (f"{_APP}prefill", "prefill replica"),
+         (f"{_APP}decode", "decode replica"), (f"{_APP}KVIndexServer", "kv index"),
          ("ServeReplica:serve-llm", "serve-llm replicas"), ("vllm.entrypoints.openai.api_server", "vllm server"),
          ("haproxy", "haproxy"), ("ProxyActor", "serve proxy"), ("HAProxyManager", "serve proxy"),
          ("ServeController", "serve controller"), ("raylet", "ray system"), ("gcs_server", "ray system"),

@@ -6,6 +6,10 @@ Scaled to finish in minutes here: a prefill pool of `--pool-blocks` blocks, reve
 turn 2 can only hit prefill's own prefix cache), one background client sending fresh prompts.
 
     python -m benchmarks.eviction_horizon [--pauses 0 2 4 8 16 --pool-blocks 256 --load-interval-s 0.5]
+                                          [--url URL --model NAME --tokenizer HF_ID --api-key KEY]
+
+With --url the app there runs with its own prefill pool (--pool-blocks sizes only the local one):
+the pauses must then reach its own horizon, which the router's estimate printed last tells.
 """
 
 import argparse
@@ -14,33 +18,33 @@ import threading
 import time
 import uuid
 
-import httpx
-
 from app.client import chat_turn
 from app.config import load_config
+from benchmarks.target import add_target_args, decisions, resolve_target
 from benchmarks.workload import open_target, text_of_tokens
 
 
-def background_load(client, tokenizer, stop: threading.Event, prompt_tokens: int, interval_s: float) -> None:
+def background_load(client, model: str, tokenizer, stop: threading.Event, prompt_tokens: int,
+                    interval_s: float) -> None:
     """Fresh prompts, one at a time, `interval_s` apart: the rate of newly computed tokens."""
     while not stop.wait(interval_s):
         prompt = text_of_tokens(tokenizer, prompt_tokens, f"[load {uuid.uuid4().hex}] ")
-        chat_turn(client, [{"role": "user", "content": prompt}], 1, reverse_pull=False)
+        chat_turn(client, [{"role": "user", "content": prompt}], 1, model=model, reverse_pull=False)
 
 
-def probe(client, tokenizer, pause_s: float, system_tokens: int) -> tuple[float, int, int]:
+def probe(client, model: str, tokenizer, pause_s: float, system_tokens: int) -> tuple[float, int, int]:
     messages = [{"role": "system", "content": text_of_tokens(tokenizer, system_tokens, f"[{uuid.uuid4().hex}] ")},
                 {"role": "user", "content": "Summarise section two."}]
-    first = chat_turn(client, messages, 8, reverse_pull=False)
+    first = chat_turn(client, messages, 8, model=model, reverse_pull=False)
     time.sleep(pause_s)
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now list the risks."}]
-    second = chat_turn(client, messages, 8, reverse_pull=False)
+    second = chat_turn(client, messages, 8, model=model, reverse_pull=False)
     return second.ttft_s, second.cached_tokens, second.prompt_tokens
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url")
+    add_target_args(parser)
     parser.add_argument("--pauses", type=float, nargs="+", default=[0, 2, 4, 8, 16])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--pool-blocks", type=int, default=256)
@@ -49,25 +53,26 @@ def main() -> None:
     parser.add_argument("--load-interval-s", type=float, default=0.5)
     args = parser.parse_args()
     config = load_config({"prefill.num_gpu_blocks_override": str(args.pool_blocks), "max_model_len": "2048"})
-    client, tokenizer, url = open_target(args.url, config)
+    client, tokenizer, target = open_target(resolve_target(args, config), config)
     stop = threading.Event()
     loader = threading.Thread(target=background_load, daemon=True,
-                              args=(client, tokenizer, stop, args.load_tokens, args.load_interval_s))
+                              args=(client, target.model, tokenizer, stop, args.load_tokens, args.load_interval_s))
     loader.start()
-    print(f"prefill pool {args.pool_blocks} blocks x {config.block_size} tokens; background prompts of "
+    local_pool = f"prefill pool {args.pool_blocks} blocks x {config.block_size} tokens"
+    pool = f"the prefill pool at {target.url}" if args.url else local_pool
+    print(f"{pool}; background prompts of "
           f"{args.load_tokens} tokens every {args.load_interval_s} s; turn 1 of {args.system_tokens}+ tokens")
     print(f"{'pause s':>7} {'turn-2 TTFT ms (median)':>24} {'cached/prompt (median)':>23}")
     try:
         for pause in args.pauses:
-            samples = [probe(client, tokenizer, pause, args.system_tokens) for _ in range(args.trials)]
+            samples = [probe(client, target.model, tokenizer, pause, args.system_tokens) for _ in range(args.trials)]
             ttft = statistics.median(s[0] for s in samples) * 1e3
             cached = statistics.median(s[1] for s in samples)
             print(f"{pause:>7.1f} {ttft:>24.1f} {cached:>12.0f}/{samples[0][2]}")
     finally:
         stop.set()
-    decisions = httpx.get(f"{url}/admin/decisions", params={"n": 200},
-                          headers={"Authorization": "Bearer unused"}).json()
-    estimates = [d["eviction_horizon_s"] for d in decisions if d.get("eviction_horizon_s")]
+    estimates = [d["eviction_horizon_s"] for d in decisions(target.url, target.api_key, 200)
+                 if d.get("eviction_horizon_s")]
     if estimates:
         print(f"router's estimate (pool - pinned) / rate, median of the last {len(estimates)} turns: "
               f"{statistics.median(estimates):.1f} s")

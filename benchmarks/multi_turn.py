@@ -21,7 +21,11 @@ Scenarios (each one app configuration, started in turn; peers run alone on the m
 
     python -m benchmarks.multi_turn [--preset default|ci] [--scenarios prefix-off small-pool 2-prefill]
                                     [--serve-proxy]
-    python -m benchmarks.multi_turn --url http://cluster:8000 --systems disagg pull+preserve
+    python -m benchmarks.multi_turn --url http://cluster:8000 [--model NAME --tokenizer HF_ID --api-key KEY]
+                                    [--systems disagg pull+preserve] [--set block_size=16]
+
+With --url, the app there runs --systems (its own modes and routing policies, per request); the
+peers (`vllm`, `serve-llm`) are started on this machine and so take no part.
 """
 
 import argparse
@@ -33,13 +37,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import httpx
-
 from app.client import TurnResult
 from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
 from app.routing import RoutingPolicy
 from benchmarks.report import Row, summarize, write_results
+from benchmarks.target import NO_KEY, PEERS_ARE_LOCAL, Target, add_target_args, decisions, resolve, resolve_target
 from benchmarks.workload import Profile, load_tokenizer, openai_client, plan_conversation, replay
 
 POLICIES = tuple(p.value for p in RoutingPolicy)
@@ -108,9 +111,9 @@ def converse(client, tokenizer, run: SystemRun, index: int, preset: Preset, extr
     return replay(client, plan, preset.profile.reply_tokens, run.began, **extra)
 
 
-def drive(url: str, system: str, tokenizer, preset: Preset, extra: dict) -> SystemRun:
+def drive(url: str, system: str, tokenizer, preset: Preset, extra: dict, api_key: str = NO_KEY) -> SystemRun:
     """`preset.in_flight` conversations at once through the official OpenAI client, streaming."""
-    client = openai_client(url)
+    client = openai_client(url, api_key)
     run = SystemRun(system)
     with ThreadPoolExecutor(preset.in_flight) as pool:
         futures = [pool.submit(converse, client, tokenizer, run, i, preset, extra) for i in range(preset.in_flight)]
@@ -118,10 +121,10 @@ def drive(url: str, system: str, tokenizer, preset: Preset, extra: dict) -> Syst
     return run
 
 
-def warm_up(url: str, tokenizer, extra: dict) -> None:
+def warm_up(url: str, tokenizer, extra: dict, api_key: str = NO_KEY) -> None:
     """A short unmeasured conversation takes first-request costs (NIXL handshakes, lazy
     initialisation) out of the first measured turns."""
-    drive(url, "warm-up", tokenizer, WARM_UP, extra)
+    drive(url, "warm-up", tokenizer, WARM_UP, extra, api_key)
 
 
 def rows_of(scenario: str, run: SystemRun, decisions: dict[str, dict], prefill_hits: dict[str, int],
@@ -150,9 +153,8 @@ def _engine_stages(engine_ms: dict | None) -> dict[str, float]:
             "engine_step_s": engine_ms["step_ms"] / 1e3}
 
 
-def app_decisions(url: str) -> dict[str, dict]:
-    body = httpx.get(f"{url}/admin/decisions", params={"n": 1000}, headers={"Authorization": "Bearer unused"}).json()
-    return {d["request_id"]: d for d in body}
+def app_decisions(url: str, api_key: str = NO_KEY) -> dict[str, dict]:
+    return {d["request_id"]: d for d in decisions(url, api_key, 1000)}
 
 
 def run_serve_llm(scenario: Scenario, config: AppConfig, proxy_url: str, tokenizer, preset: Preset,
@@ -179,9 +181,9 @@ def run_serve_llm(scenario: Scenario, config: AppConfig, proxy_url: str, tokeniz
 
 
 def run_scenario(scenario: Scenario, preset: Preset, config: AppConfig, tokenizer, proxy_url: str | None,
-                 app_url: str | None, model: str, progress) -> list[Row]:
-    """The scenario's systems in order. `app_url`: a running app (else the app is started on the
-    local Serve at `proxy_url` with `config` when the first app system needs it)."""
+                 app_url: str | None, model: str, progress, api_key: str = NO_KEY) -> list[Row]:
+    """The scenario's systems in order. `app_url`: a running app, which `api_key` opens (else the
+    app is started on the local Serve at `proxy_url` with `config` when the first app system needs it)."""
     from benchmarks.peers import plain_vllm
 
     rows: list[Row] = []
@@ -200,27 +202,32 @@ def run_scenario(scenario: Scenario, preset: Preset, config: AppConfig, tokenize
 
                 replace_app(config)
                 app_url = proxy_url
-            warm_up(app_url, tokenizer, {**APP_SYSTEMS[system], "model": model})
-            run = drive(app_url, system, tokenizer, preset, {**APP_SYSTEMS[system], "model": model})
-            rows += rows_of(scenario.name, run, app_decisions(app_url), {}, kv_bytes_per_token(config.model_path()))
+            warm_up(app_url, tokenizer, {**APP_SYSTEMS[system], "model": model}, api_key)
+            run = drive(app_url, system, tokenizer, preset, {**APP_SYSTEMS[system], "model": model}, api_key)
+            rows += rows_of(scenario.name, run, app_decisions(app_url, api_key), {},
+                            kv_bytes_per_token(config.model_path()))
         progress.update(1)
     return rows
 
 
-def run(url: str | None, systems: list[str], preset: str | Preset, config: AppConfig,
-        model: str = "tiny-qwen3") -> list[Row]:
-    """`systems` against one app: `url` (a running app, a cluster's endpoint) or the embedded
-    default started here with `config`. Rows are labelled scenario "app"."""
+def run(target: Target | str | None, systems: list[str], preset: str | Preset, config: AppConfig) -> list[Row]:
+    """`systems` against one app: the target's URL (a running app, a cluster's endpoint; a bare URL
+    takes the target flags' defaults) or the embedded default started here with `config`. Rows are
+    labelled scenario "app"."""
     from tqdm import tqdm
 
     from app.launch import start_serve
 
-    proxy_url = start_serve() if url is None else None
+    target = target if isinstance(target, Target) else resolve(target, config)
+    if target.url is not None and set(systems) & set(PEERS):
+        raise ValueError(PEERS_ARE_LOCAL)
+    proxy_url = start_serve() if target.url is None else None
+    config = target.app_config(config)
     tokenizer = load_tokenizer(config)
     progress = tqdm(total=len(systems), desc="systems", file=sys.stderr)
     preset = PRESETS[preset] if isinstance(preset, str) else preset
-    return run_scenario(Scenario("app", {}, tuple(systems)), preset, config, tokenizer, proxy_url, url,
-                        model, progress)
+    return run_scenario(Scenario("app", {}, tuple(systems)), preset, config, tokenizer, proxy_url, target.url,
+                        target.model, progress, target.api_key)
 
 
 def run_all(names: list[str], preset: Preset, base_args: dict[str, str],
@@ -255,6 +262,14 @@ PROFILE_FIELDS = {"system_tokens": int, "user_tokens": int, "reply_tokens": int,
 PRESET_FIELDS = {"in_flight": int, "think_s": float, "think_distribution": str, "pool_blocks": int}
 
 
+def key_value(text: str) -> tuple[str, str]:
+    """A KEY=VALUE command-line argument: a config value, dotted keys as in Serve args."""
+    key, sep, value = text.partition("=")
+    if not (key and sep):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def add_serve_proxy_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-proxy", action="store_true",
                         help="the local Serve ingress is Serve's Python proxy actor instead of HAProxy")
@@ -267,19 +282,27 @@ def main() -> None:
         parser.add_argument("--" + name.replace("_", "-"), type=kind, help="overrides the preset's value")
     parser.add_argument("--scenarios", nargs="+", default=["prefix-off", "small-pool", "2-prefill"],
                         choices=["prefix-off", "small-pool", "2-prefill"])
-    parser.add_argument("--url", help="a running app (a cluster's endpoint): run --systems against it instead")
     parser.add_argument("--systems", nargs="+", default=["disagg", "pull", "pull+preserve", "on-decode"],
-                        choices=[*PEERS, *APP_SYSTEMS])
+                        choices=[*PEERS, *APP_SYSTEMS], help="with --url: the systems to run there (not the peers)")
+    add_target_args(parser, url_note="run --systems against it instead of the scenarios")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=key_value,
+                        help="a config value for every scenario's app and peers (dotted keys, as Serve args); "
+                             "repeatable. With --url: what the summary reads about the app there (block_size=16 "
+                             "for serve.yaml)")
     add_serve_proxy_flag(parser)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / time.strftime("%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     preset = preset_from_args(args)
-    if args.url:
-        config = load_config({"max_model_len": str(preset.max_model_len)})
-        rows = run(args.url, args.systems, preset, config)
+    if args.url and set(args.systems) & set(PEERS):
+        parser.error(PEERS_ARE_LOCAL)
+    config = load_config({"max_model_len": str(preset.max_model_len), **dict(args.set)})
+    target = resolve_target(args, config)
+    if target.url:
+        config = target.app_config(config)
+        rows = run(target, args.systems, preset, config)
     else:
-        rows, config = run_all(args.scenarios, preset, {}, haproxy=not args.serve_proxy)
-    ingress = args.url or ("Serve's proxy actor" if args.serve_proxy else "Serve's HAProxy ingress")
+        rows, config = run_all(args.scenarios, preset, dict(args.set), haproxy=not args.serve_proxy)
+    ingress = target.url or ("Serve's proxy actor" if args.serve_proxy else "Serve's HAProxy ingress")
     summary = f"ingress: {ingress}\n\n" + summarize(rows, config)
     write_results(rows, summary, args.out)
     print(summary)

@@ -7,7 +7,11 @@ turns) on one app with prefill's prefix cache off, so prefill computes whatever 
 - no reuse: template rendering, no reverse pull.
 Ideal: turn 1's prompt, then only the tokens each later turn appends.
 
-    python benchmarks/prefill_tokens.py [--turns 10 --system-tokens 1500 ...] [--url URL]
+    python -m benchmarks.prefill_tokens [--turns 10 --system-tokens 1500 ...]
+                                        [--url URL --model NAME --tokenizer HF_ID --api-key KEY]
+
+With --url, the app there runs as deployed: with prefill's prefix cache on, what prefill found in
+its own cache is not prefilled either.
 """
 
 import argparse
@@ -15,6 +19,7 @@ import uuid
 
 from app.config import load_config
 from benchmarks.report import ideal_prefill
+from benchmarks.target import add_target_args, resolve_target
 from benchmarks.workload import Profile, open_target, run_conversation
 
 MODES = {"preserve": {"conversation_mode": "preserve"},
@@ -24,15 +29,17 @@ MODES = {"preserve": {"conversation_mode": "preserve"},
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url")
+    add_target_args(parser)
     parser.add_argument("--system-tokens", type=int, default=1500)
     parser.add_argument("--user-tokens", type=int, default=150)
     parser.add_argument("--reply-tokens", type=int, default=350)
     parser.add_argument("--turns", type=int, default=10)
     args = parser.parse_args()
     profile = Profile(args.system_tokens, args.user_tokens, args.reply_tokens, args.turns)
-    client, tokenizer, url = open_target(args.url, load_config({"prefill.prefix_caching": "false"}))
-    runs = {mode: run_conversation(client, tokenizer, profile, uuid.uuid4().hex, **extra, ignore_eos=True)
+    config = load_config({"prefill.prefix_caching": "false"})
+    client, tokenizer, target = open_target(resolve_target(args, config), config)
+    runs = {mode: run_conversation(client, tokenizer, profile, uuid.uuid4().hex, target.model, **extra,
+                                   ignore_eos=True)
             for mode, extra in MODES.items()}
     ideal = ideal_prefill([t.prompt_tokens for t in runs["preserve"]], [len(t.output_ids) for t in runs["preserve"]])
     prefilled = {mode: [t.prompt_tokens - t.cached_tokens for t in turns] for mode, turns in runs.items()}

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from app.config import AppConfig
-from app.metrics import kv_bytes_per_token
+from app.metrics import kv_bytes_per_token, model_config
 
 
 @dataclass(frozen=True)
@@ -192,9 +192,7 @@ def ratio_lines(by_label: dict[tuple[str, str], SystemSummary]) -> list[str]:
 
 
 def _parameters(config: AppConfig) -> str:
-    import json
-
-    hf = json.loads((config.model_path() / "config.json").read_text())
+    hf = model_config(config.model_path())
     return f"{hf.get('num_hidden_layers')} layers, hidden {hf.get('hidden_size')}"
 
 

@@ -5,7 +5,7 @@ turn on one app whose prefill cache is off (cache loss): one with reverse pulls,
 `reverse_pull: false` per request. Prints TTFT per turn and the recompute/pull ratio.
 
     python -m benchmarks.reverse_pull                  # starts the embedded default itself
-    python -m benchmarks.reverse_pull --url http://host:8000 --model NAME
+    python -m benchmarks.reverse_pull --url http://host:8000 [--model NAME --tokenizer HF_ID --api-key KEY]
     python -m benchmarks.reverse_pull --sweep 32 128 512 2048 7500   # transfer vs recompute by size
 
 The sweep runs two-turn conversations with histories from one block to the model's limit and
@@ -17,11 +17,11 @@ import argparse
 import statistics
 import uuid
 
-import httpx
 from openai import OpenAI
 
 from app.client import TurnResult, chat_turn
 from app.config import load_config
+from benchmarks.target import Target, add_target_args, decisions, resolve_target
 from benchmarks.workload import open_target, text_of_tokens
 
 
@@ -59,10 +59,10 @@ def report(runs: list[dict[str, list[TurnResult]]], turns: int, prefill_ms: dict
           f"prefill stage {statistics.median(r[1] for r in ratios):.2f}x")
 
 
-def sweep(client: OpenAI, model: str, tokenizer, sizes: list[int], repeats: int, url: str) -> None:
-    runs = {n: [run_pair(client, model, text_of_tokens(tokenizer, n, f"[{uuid.uuid4().hex}] "), 2, 8)
+def sweep(client: OpenAI, target: Target, tokenizer, sizes: list[int], repeats: int) -> None:
+    runs = {n: [run_pair(client, target.model, text_of_tokens(tokenizer, n, f"[{uuid.uuid4().hex}] "), 2, 8)
                 for _ in range(repeats)] for n in sizes}
-    prefill_ms = _prefill_ms(url)
+    prefill_ms = _prefill_ms(target)
     print(f"{'history':>8} | {'TTFT ms: pull':>13} {'recompute':>9} | {'prefill ms: pull':>16} {'recompute':>9} "
           f"| {'recompute/pull':>14}")
     for n, pairs in runs.items():
@@ -72,15 +72,14 @@ def sweep(client: OpenAI, model: str, tokenizer, sizes: list[int], repeats: int,
               f"| {ttft[1] / ttft[0]:>6.2f}x TTFT {stage[1] / stage[0]:>5.2f}x prefill")
 
 
-def _prefill_ms(url: str) -> dict[str, float]:
-    decisions = httpx.get(f"{url}/admin/decisions", params={"n": 10_000}).json()
-    return {d["request_id"]: d["prefill_ms"] for d in decisions}
+def _prefill_ms(target: Target) -> dict[str, float]:
+    return {d["request_id"]: d["prefill_ms"] for d in decisions(target.url, target.api_key, 10_000)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="a running app; default: start the embedded default locally")
-    parser.add_argument("--model", default="tiny-qwen3")
+    add_target_args(parser, url_note="it needs prefill's prefix cache off there (prefill.prefix_caching: false), "
+                                     "and for --sweep recompute_threshold_tokens: 0")
     parser.add_argument("--system-tokens", type=int, default=1400)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--reply-tokens", type=int, default=64)
@@ -91,16 +90,16 @@ def main() -> None:
     overrides = {"prefill.prefix_caching": "false"}
     if args.sweep:  # pull even one block, to see where pulling stops paying
         overrides["recompute_threshold_tokens"] = "0"
-    client, tokenizer, url = open_target(args.url, load_config(overrides))
-    chat_turn(client, [{"role": "user", "content": "warm up"}], 4, model=args.model)
+    config = load_config(overrides)
+    client, tokenizer, target = open_target(resolve_target(args, config), config)
+    chat_turn(client, [{"role": "user", "content": "warm up"}], 4, model=target.model)
     if args.sweep:
-        sweep(client, args.model, tokenizer, args.sweep, args.repeats, url)
+        sweep(client, target, tokenizer, args.sweep, args.repeats)
         return
-    runs = [run_pair(client, args.model, text_of_tokens(tokenizer, args.system_tokens, f"[{uuid.uuid4().hex}] "),
+    runs = [run_pair(client, target.model, text_of_tokens(tokenizer, args.system_tokens, f"[{uuid.uuid4().hex}] "),
                      args.turns, args.reply_tokens) for _ in range(args.repeats)]
-    report(runs, args.turns, _prefill_ms(url))
-    decisions = httpx.get(f"{url}/admin/decisions", params={"n": 10_000}).json()
-    later = [d for d in decisions if d["action"] == "pull"]
+    report(runs, args.turns, _prefill_ms(target))
+    later = [d for d in decisions(target.url, target.api_key, 10_000) if d["action"] == "pull"]
     if later:
         print("pull turns, median ms: plan {:.1f}, prefill {:.1f}, decode first token {:.1f}".format(
             *(statistics.median(d.get(k, 0.0) for d in later) for k in ("plan_ms", "prefill_ms",

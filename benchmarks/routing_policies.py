@@ -8,6 +8,9 @@ previous prompt cached), share of later turns on the previous turn's replica, TT
 index, and tokens prefilled against the ideal.
 
     python -m benchmarks.routing_policies [--replicas 1 2 --conversations 8 --turns 3]
+    python -m benchmarks.routing_policies --url http://HEAD:8000 [--model NAME --tokenizer HF_ID --api-key KEY]
+
+With --url the policies run on the app there, at the prefill replica count it was deployed with.
 """
 
 import argparse
@@ -16,11 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 
-import httpx
-
 from app.config import EngineGroupConfig, load_config
 from app.routing import RoutingPolicy
 from benchmarks.report import ideal_prefill, later_turn_hit, percentile
+from benchmarks.target import Target, add_target_args, decisions, resolve_target
 from benchmarks.workload import Profile, open_target, run_conversation
 
 
@@ -41,6 +43,19 @@ def summarize(conversations, decisions: dict[str, dict], block_size: int) -> dic
             "TTFT p50/p95 ms by turn": " ".join(f"t{k}:{v}" for k, v in ttft.items())}
 
 
+def run_policies(client, tokenizer, target: Target, profile: Profile, conversations: int, label: str,
+                 block_size: int) -> None:
+    """Each policy in turn on `conversations` concurrent conversations; prints a summary line each."""
+    for policy in (p.value for p in RoutingPolicy):
+        with ThreadPoolExecutor(conversations) as pool:
+            one = partial(run_conversation, client, tokenizer, profile, model=target.model, routing_policy=policy,
+                          reverse_pull=False)
+            done = list(pool.map(one, [f"{policy}-{label}-{i}" for i in range(conversations)]))
+        by_request = {d["request_id"]: d for d in decisions(target.url, target.api_key, 1000)}
+        row = summarize(done, by_request, block_size)
+        print(f"  {policy:>16}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
@@ -48,29 +63,30 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--system-tokens", type=int, default=600)
     parser.add_argument("--reply-tokens", type=int, default=16)
+    add_target_args(parser, url_note="the policies run there, as deployed (--replicas is not used)")
     args = parser.parse_args()
     profile = Profile(system_tokens=args.system_tokens, user_tokens=30, reply_tokens=args.reply_tokens,
                       turns=args.turns)
-    url = None
+    target = resolve_target(args, load_config({}))
+    if target.url:
+        config = target.app_config(load_config({}))
+        client, tokenizer, target = open_target(target, config)
+        print(f"\nthe app at {target.url} as deployed, {args.conversations} concurrent conversations x "
+              f"{args.turns} turns, reverse pull off")
+        run_policies(client, tokenizer, target, profile, args.conversations, "deployed", config.block_size)
+        return
     for count in args.replicas:
         config = replace(load_config({}), prefill=EngineGroupConfig(replicas=count, cpus_per_replica=0.5),
                          decode=EngineGroupConfig(replicas=1, cpus_per_replica=0.5))
-        if url is None:
-            client, tokenizer, url = open_target(None, config)
+        if target.url is None:
+            client, tokenizer, target = open_target(target, config)
         else:
             from app.launch import replace_app
 
             replace_app(config)
         print(f"\n{count} prefill replica(s), 1 decode, {args.conversations} concurrent conversations x "
               f"{args.turns} turns, reverse pull off")
-        for policy in (p.value for p in RoutingPolicy):
-            with ThreadPoolExecutor(args.conversations) as pool:
-                one = partial(run_conversation, client, tokenizer, profile, routing_policy=policy, reverse_pull=False)
-                conversations = list(pool.map(one, [f"{policy}-{count}-{i}" for i in range(args.conversations)]))
-            decisions = {d["request_id"]: d for d in httpx.get(
-                f"{url}/admin/decisions", params={"n": 1000}, headers={"Authorization": "Bearer unused"}).json()}
-            row = summarize(conversations, decisions, config.block_size)
-            print(f"  {policy:>16}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+        run_policies(client, tokenizer, target, profile, args.conversations, str(count), config.block_size)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,13 @@ Workload (issue 14): three-turn conversations through the official `openai` clie
 
     python -m benchmarks.sweep [--concurrency 1,4,16,32,64] [--systems app ideal vllm serve-llm]
                                [--repeats 2] [--set later_turns_first=false ...]
+    python -m benchmarks.sweep --url http://HEAD:8000 [--model NAME --tokenizer HF_ID --api-key KEY]
+                               [--set block_size=16]
+
+With --url the sweep measures only the app at that URL (`app`, `app-fixed`): the peers are started
+on this machine and cannot be started on someone else's cluster, so their rows are absent and no
+ratio against them is computed. --set then tells the summary what the endpoint does not (the app's
+block size: 16 in serve.yaml).
 """
 
 import argparse
@@ -43,13 +50,18 @@ from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
 from app.turn import turn_priority
 from benchmarks.cpu_profile import CLIENT_ROLE, snapshot, spent_since
-from benchmarks.multi_turn import app_decisions, rows_of
+from benchmarks.multi_turn import app_decisions, key_value, rows_of
 from benchmarks.report import Row, ideal_tokens, later_hit_share, percentile, wall_s
+from benchmarks.target import NO_KEY, PEERS_ARE_LOCAL, Target, add_target_args, resolve_target
 from benchmarks.workload import ConversationPlan, Profile, load_tokenizer, openai_client, plan_conversation
 
 SYSTEMS = ("app", "app-fixed", "ideal", "vllm", "serve-llm")
 APP_EXTRA = {"app": {}, "app-fixed": {"load_aware_placement": False}}
 """The app as shipped, and with the fixed placement rule (per request), on the same deployment."""
+PEERS_ABSENT = (f"{PEERS_ARE_LOCAL} ({', '.join(APP_EXTRA)}); rows for the peers "
+                f"({', '.join(s for s in SYSTEMS if s not in APP_EXTRA)}) are absent and no ratio against them "
+                "is computed")
+"""What --url leaves out, in the help and in the output."""
 PROFILE = Profile(system_tokens=1000, user_tokens=100, reply_tokens=32, turns=3)
 THINK_S = 1.0
 BURST_S = 0.010
@@ -116,8 +128,9 @@ def plans(tokenizer, level: int, tag: str) -> list[ConversationPlan]:
             for i in range(level)]
 
 
-def drive_chat(url: str, conversations: list[ConversationPlan], extra: dict) -> list[Conversation]:
-    client = openai_client(url)
+def drive_chat(url: str, conversations: list[ConversationPlan], extra: dict,
+               api_key: str = NO_KEY) -> list[Conversation]:
+    client = openai_client(url, api_key)
     began = time.perf_counter()
     with ThreadPoolExecutor(len(conversations)) as pool:
         return list(pool.map(lambda p: converse(p, chat_sender(client, p, PROFILE.reply_tokens, extra), began),
@@ -217,6 +230,13 @@ def summarize(rows: list[Row], config: AppConfig) -> str:
     lines += [line for system in systems if system in APP_EXTRA for n in levels
               if (line := _later_by_side(system, n, [r for r in rows if r.system == system and r.concurrency == n]))]
     lines += ["", "Ratios, app / peer (issue 14's targets at 32 and 64 conversations):"]
+    peers_ran = any(s not in APP_EXTRA for s in systems)
+    lines += _ratio_lines(table, levels) if peers_ran else ["- not computed: no peer ran"]
+    return "\n".join(lines)
+
+
+def _ratio_lines(table: dict[tuple[str, int], LevelSummary], levels: list[int]) -> list[str]:
+    lines = []
     for n in levels:
         mine = table.get(("app", n))
         if mine is None:
@@ -227,7 +247,7 @@ def summarize(rows: list[Row], config: AppConfig) -> str:
             ratios.append(f"later_p50 / serve-llm {mine.later_p50 / table[('serve-llm', n)].later_p50:.2f}x "
                           "(target <= 0.3)")
         lines.append(f"- {n} conversations: " + "; ".join(ratios))
-    return "\n".join(lines)
+    return lines
 
 
 def cpu_lines(cpu: list[CpuUse]) -> str:
@@ -326,40 +346,50 @@ def write(rows: list[Row], cpu: list[CpuUse], summary: str, config: AppConfig, o
     plot(rows, config.block_size, out)
 
 
-def sweep(levels: list[int], repeats: int, systems: list[str], config: AppConfig,
-          peer_config: AppConfig) -> tuple[list[Row], list[CpuUse]]:
+def sweep(levels: list[int], repeats: int, systems: list[str], config: AppConfig, peer_config: AppConfig,
+          target: Target) -> tuple[list[Row], list[CpuUse]]:
     """Start every system once (the peers' engines from `peer_config`), then at each level drive
-    each in turn (the app first: the ideal replays its prompts), `repeats` times."""
-    from app.launch import replace_app, start_serve
+    each in turn (the app first: the ideal replays its prompts), `repeats` times. With the target's
+    URL only the app's systems run, on the app there; `config` then describes it (Target.app_config)."""
     from benchmarks.multi_turn import warm_up
-    from benchmarks.peers import plain_vllm, serve_llm_pd
 
     tokenizer = load_tokenizer(config)
-    model = config.model_name
-    proxy_url = start_serve()
-    urls = {}
     with ExitStack() as running:
-        if set(APP_EXTRA) & set(systems):
-            replace_app(config)
-            urls.update(dict.fromkeys(APP_EXTRA, proxy_url))
-        if {"ideal", "vllm"} & set(systems):
-            urls["ideal"] = urls["vllm"] = running.enter_context(plain_vllm(peer_config))
-        if "serve-llm" in systems:
-            urls["serve-llm"] = running.enter_context(serve_llm_pd(peer_config, proxy_url))
-        for system in dict.fromkeys(urls[s] for s in systems):
-            warm_up(system, tokenizer, {"model": model})
+        if target.url:
+            urls = dict.fromkeys(APP_EXTRA, target.url)
+        else:
+            urls = start_systems(systems, config, peer_config, running)
+        for url in dict.fromkeys(urls[s] for s in systems):
+            warm_up(url, tokenizer, {"model": config.model_name}, target.api_key)
         rows: list[Row] = []
         cpu: list[CpuUse] = []
         for level in levels:
             for repeat in range(repeats):
-                rows += run_level(level, repeat, systems, urls, tokenizer, config, cpu)
+                rows += run_level(level, repeat, systems, urls, tokenizer, config, cpu, target.api_key)
             print(f"{level} conversations done", file=sys.stderr)
     return rows, cpu
 
 
+def start_systems(systems: list[str], config: AppConfig, peer_config: AppConfig, running: ExitStack) -> dict[str, str]:
+    """A local Serve with the app and the peers `systems` need (they stop with `running`); each system's URL."""
+    from app.launch import replace_app, start_serve
+    from benchmarks.peers import plain_vllm, serve_llm_pd
+
+    proxy_url = start_serve()
+    urls = {}
+    if set(APP_EXTRA) & set(systems):
+        replace_app(config)
+        urls.update(dict.fromkeys(APP_EXTRA, proxy_url))
+    if {"ideal", "vllm"} & set(systems):
+        urls["ideal"] = urls["vllm"] = running.enter_context(plain_vllm(peer_config))
+    if "serve-llm" in systems:
+        urls["serve-llm"] = running.enter_context(serve_llm_pd(peer_config, proxy_url))
+    return urls
+
+
 def run_level(level: int, repeat: int, systems: list[str], urls: dict[str, str], tokenizer, config: AppConfig,
-              cpu: list[CpuUse]) -> list[Row]:
-    """Every system in turn on new conversations (the ideal on the app's)."""
+              cpu: list[CpuUse], api_key: str = NO_KEY) -> list[Row]:
+    """Every system in turn on new conversations (the ideal on the app's); `api_key` on every request."""
     rows: list[Row] = []
     app_plans: list[ConversationPlan] = []
     prompts: list[list[list[int]]] | None = None
@@ -372,43 +402,47 @@ def run_level(level: int, repeat: int, systems: list[str], urls: dict[str, str],
             done = drive_prompts(urls[system], app_plans, prompts, config)
         else:
             conversations = plans(tokenizer, level, system)
-            done = drive_chat(urls[system], conversations, {"model": config.model_name, **APP_EXTRA.get(system, {})})
+            done = drive_chat(urls[system], conversations, {"model": config.model_name, **APP_EXTRA.get(system, {})},
+                              api_key)
         cpu.append(CpuUse(system, level, repeat, sum(len(c.turns) for c in done), spent_since(before)))
-        decisions = app_decisions(urls[system]) if system in APP_EXTRA else {}
+        decisions = app_decisions(urls[system], api_key) if system in APP_EXTRA else {}
         rows += rows_for(system, level, repeat, done, decisions, bytes_per_token if system in APP_EXTRA else 0)
         if system == "app":
             app_plans, prompts = conversations, [[r.prompt_ids for _, r in c.turns] for c in done]
     return rows
 
 
-def _key_value(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not (key and sep):
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,4,16,32,64", help="comma-separated conversation counts")
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS,
+                        help=f"default: every system; with --url: {' '.join(APP_EXTRA)}")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each level, the systems in turn each time, pooled in the summary")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                         help="a config value for the app and every peer (dotted keys, as Serve args), e.g. "
-                             "later_turns_first=false; repeatable")
-    parser.add_argument("--peer-set", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
+                             "later_turns_first=false; repeatable. With --url: what the summary reads about the "
+                             "app there (block_size=16 for serve.yaml)")
+    parser.add_argument("--peer-set", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                         help="a config value for the peers' engines only, after --set (an engine setting the "
                              "app's groups have apart, e.g. prefill.max_batched_tokens=2048 for the plain engine)")
     parser.add_argument("--out", type=Path,
                         default=Path("benchmarks/results") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}")
+    add_target_args(parser, url_note=PEERS_ABSENT)
     args = parser.parse_args()
-    config = load_config({"max_model_len": "4096", **dict(args.set)})
-    peer_config = load_config({"max_model_len": "4096", **dict(args.set), **dict(args.peer_set)})
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    rows, cpu = sweep([int(n) for n in args.concurrency.split(",")], args.repeats, args.systems, config, peer_config)
-    summary = "\n\n".join((summarize(rows, config), machine_lines(rows, cpu, config), cpu_lines(cpu)))
+    systems = args.systems or list(APP_EXTRA if args.url else SYSTEMS)
+    if args.url and set(systems) - set(APP_EXTRA):
+        parser.error(PEERS_ABSENT)
+    config = load_config({"max_model_len": "4096", **dict(args.set)})
+    peer_config = load_config({"max_model_len": "4096", **dict(args.set), **dict(args.peer_set)})
+    target = resolve_target(args, config)
+    config = target.app_config(config)
+    rows, cpu = sweep([int(n) for n in args.concurrency.split(",")], args.repeats, systems, config, peer_config,
+                      target)
+    heading = [f"target: {target.url}, model {target.model}; {PEERS_ABSENT}"] if target.url else []
+    summary = "\n\n".join((*heading, summarize(rows, config), machine_lines(rows, cpu, config), cpu_lines(cpu)))
     print(summary, flush=True)
     write(rows, cpu, summary, config, args.out)
     print(f"rows, summary and plot in {args.out}")

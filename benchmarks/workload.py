@@ -6,28 +6,29 @@ replies; text drawn from the embedded model's corpus so token counts are predict
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from openai import OpenAI
 
 from app.client import TurnResult, chat_turn
 from app.config import TINY_MODEL, AppConfig
 from app.model.tiny import corpus_lines, ensure_tiny_model
+from benchmarks.target import NO_KEY, Target
 
 
-def open_target(url: str | None, config: AppConfig) -> tuple[OpenAI, object, str]:
-    """A client for `url`, or for the embedded default started here with `config`; and a tokenizer
-    (the embedded model's, for sizing prompts)."""
-    if url is None:
+def open_target(target: Target, config: AppConfig) -> tuple[OpenAI, object, Target]:
+    """A client for the target, once the embedded default is started here with `config` if the
+    target has no URL; a tokenizer (the target model's, for sizing prompts); the target with its URL."""
+    if target.url is None:
         from app.launch import start_local
 
-        url = start_local(config)
-    return openai_client(url), load_tokenizer(config), url
+        target = replace(target, url=start_local(config))
+    return openai_client(target.url, target.api_key), load_tokenizer(target.app_config(config)), target
 
 
-def openai_client(url: str) -> OpenAI:
+def openai_client(url: str, api_key: str = NO_KEY) -> OpenAI:
     """The official client against `url`: no retries (a failure is a result), long timeouts."""
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    return OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=600)
 
 
 def load_tokenizer(config: AppConfig):
@@ -36,7 +37,11 @@ def load_tokenizer(config: AppConfig):
 
     if config.model == TINY_MODEL:
         ensure_tiny_model(config.model_path())
-    return AutoTokenizer.from_pretrained(str(config.model_path()))
+    try:
+        return AutoTokenizer.from_pretrained(str(config.model_path()))
+    except OSError as exc:  # a served name such as Qwen3-32B is not a hub id
+        raise ValueError(f"no tokenizer at {config.model!r}: name the model's Hugging Face id or local path "
+                         "with --tokenizer") from exc
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ def replay(client: OpenAI, plan: ConversationPlan, reply_tokens: int, began: flo
     return turns
 
 
-def run_conversation(client: OpenAI, tokenizer, profile: Profile, nonce: str, model: str = "tiny-qwen3",
+def run_conversation(client: OpenAI, tokenizer, profile: Profile, nonce: str, model: str,
                      **extra) -> list[TurnResult]:
     """One conversation without think time (see `replay`)."""
     plan = plan_conversation(tokenizer, profile, nonce)

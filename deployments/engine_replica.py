@@ -20,6 +20,7 @@ from app.autoscaling import KV_CACHE_USAGE, RUNNING_SEQS, WAITING_SEQS
 from app.config import TINY_MODEL, AppConfig
 from app.engine import Engine, engine_timing, from_vllm_params, hold_params, publishes_kv_events, to_vllm_params
 from app.model.tiny import ensure_tiny_model
+from app.nixl_backends import resolve_backends
 from app.protocol import DecodeRequest, EngineStatus, KVHandoff, ReplicaInfo, ReplyChunk, RetainedBlocks, Role
 from app.versions import check_supported
 
@@ -53,6 +54,9 @@ class EngineReplica:
     async def __init__(self, config: AppConfig, index) -> None:
         log_targets = _serve_log_targets()  # before anything imports NIXL or configures vLLM
         check_supported()  # the private vLLM/NIXL/Ray hooks this app relies on, before anything starts
+        # A NIXL backend that does not load stops the replica here, naming the missing library, rather
+        # than inside vLLM's connector once the engine is up; the engine gets the backends that load.
+        config = replace(config, nixl_backends=resolve_backends(config))
         if config.model == TINY_MODEL:
             ensure_tiny_model(config.model_path())
         context = serve.get_replica_context()

@@ -8,7 +8,6 @@ frontend turns each into its HTTP answer. A ClientRequest with `resume` continue
 router replica died (prompt plus the tokens already sent) and records the whole reply.
 """
 
-import asyncio
 import logging
 import os
 import time
@@ -21,15 +20,16 @@ from typing import Any
 
 from ray import serve
 
-from app.chat import PromptRenderer
+from app.chat import PromptRenderer, within_budget
 from app.config import TINY_MODEL, AppConfig, Device
 from app.ledger import TurnLedger
 from app.metrics import TurnMetrics, kv_bytes_per_token
 from app.model.tiny import ensure_tiny_model
 from app.openai_api import DEFAULT_MAX_TOKENS, ChatCompletionRequest, GenerationRequest
-from app.protocol import ClientRequest, ReplyChunk, ReplyStart, Resume, Role
+from app.protocol import ClientRequest, ReplyChunk, ReplyStart, Resume, Role, SamplingSettings
+from app.request_check import RequestCheck
 from app.sessions import ChatSessions, HistoryQuery, RenderedTurn
-from app.tenants import cache_salt, cache_scope, open_api_warning
+from app.tenants import KeyRing, cache_salt, cache_scope, open_api_warning
 from app.turn import Turn, TurnLoop
 
 logger = logging.getLogger("ray.serve")
@@ -50,7 +50,10 @@ class Router:
         # metadata, and on this machine each hop to decode took 4 ms instead of 7.
         index, prefill, decode = (h.options(_by_reference=False) for h in (index, prefill, decode))
         self.config, self.limits = config, config.limits
+        self.keys = KeyRing.of(config.api_keys, config.admin_api_keys)
         self.renderer = PromptRenderer(config.model_path(), config.max_model_len)
+        self.request_check = RequestCheck(config.model_path(), config.max_model_len, dict(config.engine_kwargs),
+                                          self.renderer.tokenizer)
         # One thread: tokenizers are not safe to share across threads, and rendering a large body
         # must not stall other streams on the event loop.
         self.render_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
@@ -64,11 +67,16 @@ class Router:
 
     async def health(self) -> dict[str, Any]:
         """Live engines, from the heartbeats the router already follows: never waits on a stream or
-        the index. ok: both groups live; degraded: one group serves whole turns; starting: none."""
+        the index. ok: both groups live; degraded: one group serves whole turns; starting: none. The NIXL
+        backends a group's live engines loaded show which transport its KV moves over (UCX where
+        LIBFABRIC was asked for is a fallback: KV over TCP; the engine's log names the replica)."""
         engines = self.loop.engines
-        live = {role.value: len(engines.live(role)) for role in Role}
-        return {"status": "ok" if all(live.values()) else "degraded" if any(live.values()) else "starting",
-                "live_engines": live}
+        live = {role.value: engines.live(role) for role in Role}
+        counts = {role: len(replicas) for role, replicas in live.items()}
+        return {"status": "ok" if all(counts.values()) else "degraded" if any(counts.values()) else "starting",
+                "live_engines": counts,
+                "nixl_backends": {role: sorted({b for r in replicas for b in engines.load(r).nixl_backends})
+                                  for role, replicas in live.items()}}
 
     async def decisions(self, n: int) -> list[dict[str, Any]]:
         return list(self.loop.decisions)[-n:]
@@ -77,8 +85,9 @@ class Router:
         """One request's reply: a ReplyStart once its prompt is computed, then its chunks (without
         block metadata, which stays here)."""
         received, body = time.perf_counter(), request.body
-        tenant = cache_scope(request.authorization, body.user, self.config.api_keys,
-                             self.config.per_user_salt_tenants)
+        tenant = cache_scope(request.authorization, body.user, self.keys, self.config.per_user_salt_tenants)
+        sampling = body.sampling(DEFAULT_MAX_TOKENS)
+        await self._in_render_thread(self.request_check.check, sampling)  # before any engine sees it
         rendered = await self._rendered(body, tenant, request.session_id) if isinstance(
             body, ChatCompletionRequest) else None
         if request.resume is not None:  # the reply continues what the client already has
@@ -87,7 +96,7 @@ class Router:
         else:
             prompt_ids = rendered.prompt_ids if rendered else await self._in_render_thread(self.renderer.completion,
                                                                                           body)
-        turn = self._turn(body, prompt_ids, tenant, rendered, request.resume, received)
+        turn = self._turn(body, sampling, prompt_ids, tenant, rendered, request.resume, received)
         ledger, conversation = TurnLedger(turn.request_id), None
         try:
             prepared = await self.loop.prepare(turn, ledger)
@@ -104,9 +113,8 @@ class Router:
         finally:
             self.loop.close(turn, ledger, conversation, rendered.session_key if rendered else None)
 
-    def _turn(self, body: GenerationRequest, prompt_ids: list[int], tenant: str, rendered: RenderedTurn | None,
-              resume: Resume | None, received_at: float) -> Turn:
-        sampling = body.sampling(DEFAULT_MAX_TOKENS)
+    def _turn(self, body: GenerationRequest, sampling: SamplingSettings, prompt_ids: list[int], tenant: str,
+              rendered: RenderedTurn | None, resume: Resume | None, received_at: float) -> Turn:
         self.renderer.check_fits(prompt_ids, sampling.max_tokens)
         sent = resume.sent_token_ids if resume else ()
         chat = rendered is not None
@@ -124,6 +132,7 @@ class Router:
                     else body.load_aware_placement, received_at=received_at)
 
     async def _rendered(self, body: ChatCompletionRequest, tenant: str, session_id: str | None) -> RenderedTurn:
+        self.renderer.check_template_kwargs(body.chat_template_kwargs)
         messages = body.template_messages()
         query = self.sessions.query(messages, tenant, session_id or body.user)
         match = await self._history(query)
@@ -132,7 +141,7 @@ class Router:
                                             match, mode)
 
     async def _in_render_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.render_thread, fn, *args)
+        return await within_budget(self.render_thread, self.limits.render_timeout_s, fn, *args)
 
     async def _history(self, query: HistoryQuery):
         """The recorded turn these messages continue: this replica's copy, else the shared one."""

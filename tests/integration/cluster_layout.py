@@ -39,12 +39,14 @@ def machine_args(model_cache_dir: str) -> dict[str, Any]:
     """What serve.yaml's args must become on this 2-core CPU machine: the embedded model on CPU
     with UCX, one logical CPU and no GPU per engine. Prefill's prefix cache is off (cache loss, as
     in the integration conftest), so every history token prefill does not compute is a pull.
+    A CPU engine's batch, streams and probe (vLLM's CPU default of 128 sequences, one router).
     Everything else, bundle_resources included, stays as serve.yaml has it."""
     return {"model": "tiny-qwen3", "model_cache_dir": model_cache_dir, "device": "cpu", "dtype": "auto",
             "tensor_parallel_size": 1, "block_size": 32, "max_model_len": 4096, "enforce_eager": True,
-            "nixl_backends": ["UCX"],
-            "prefill": {"cpus_per_replica": 1, "gpus_per_replica": 0, "prefix_caching": False},
-            "decode": {"cpus_per_replica": 1, "gpus_per_replica": 0}}
+            "nixl_backends": ["UCX"], "engine_max_num_seqs": 128, "router_replicas": 1,
+            "placement": {"probe_tokens": 256},
+            "prefill": {"cpus_per_replica": 1, "prefix_caching": False},
+            "decode": {"cpus_per_replica": 1}}
 
 
 def merged(base: dict, overrides: dict) -> dict:

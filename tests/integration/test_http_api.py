@@ -44,7 +44,8 @@ def test_admin_endpoints_answer_admin_keys_only(http, base_url):
 
 
 def test_service_endpoints_and_completions_after_bad_input(http, client):
-    assert http.get("/health").json() == {"status": "ok", "live_engines": {"prefill": 1, "decode": 1}}
+    assert http.get("/health").json() == {"status": "ok", "live_engines": {"prefill": 1, "decode": 1},
+                                          "nixl_backends": {"prefill": ["UCX"], "decode": ["UCX"]}}
     assert [m.id for m in client.models.list().data] == ["tiny-qwen3"]
     completion = client.completions.create(model="tiny-qwen3", prompt="The router keeps", max_tokens=5,
                                            temperature=0)

@@ -16,7 +16,7 @@ from app.autoscaling import (
 )
 from app.config import AppConfig, PrefillScaling, load_config
 from app.graph import build_graph
-from tests.unit.test_cluster_config import _deployments
+from app.preflight import deployments as _deployments
 
 
 def context(metrics: dict | None, current: int = 1, target: int = 1, state: dict | None = None):

@@ -1,55 +1,26 @@
-"""cluster.yaml is a valid Ray cluster config, and serve.yaml builds the graph without starting it."""
+"""serve.yaml builds the graph without starting it, and every deployment takes its options from the config."""
 
 from pathlib import Path
 
-import yaml
+from app.preflight import deployments as _deployments
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_cluster_yaml_passes_rays_own_schema():
-    from ray.autoscaler._private.util import prepare_config, validate_config
+def test_serve_yaml_builds_the_gpu_graph_with_one_bundle_per_engine_holding_its_gpus():
+    from app.preflight import build_applications, serve_config
 
-    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
-    validate_config(prepare_config(config))
-    node_types = config["available_node_types"]
-    assert node_types["prefill_gpu"]["resources"] == {"prefill_node": 1}
-    assert node_types["decode_gpu"]["resources"] == {"decode_node": 1}
-
-
-def test_the_ray_dashboard_stays_off_public_interfaces():
-    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
-    head = " ".join(config["head_start_ray_commands"])
-    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
-
-
-def test_serve_yaml_builds_the_gpu_graph():
-    from ray._common.utils import import_attr
-    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
-    from ray.serve.schema import ServeDeploySchema
-
-    schema = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "serve.yaml").read_text()))
-    app_schema = schema.applications[0]
-    app = call_user_app_builder_with_args_if_necessary(import_attr(app_schema.import_path), app_schema.args)
+    (app,) = build_applications(serve_config(ROOT / "serve.yaml")[0])
     deployments = {d.name: d for d in _deployments(app)}
     assert set(deployments) == {"frontend", "router", "prefill", "decode", "KVIndexServer"}
-    prefill = deployments["prefill"]._deployment_config
-    assert deployments["prefill"]._replica_config.placement_group_bundles == [
-        {"CPU": 16.0, "GPU": 8.0, "prefill_node": 1}]
-    assert deployments["decode"]._replica_config.placement_group_bundles[0]["decode_node"] == 1
-    assert prefill.num_replicas == 1
-
-
-def _deployments(app):
-    """Walk the bound graph: the ingress and every deployment bound into its arguments."""
-    seen, stack = [], [app._bound_deployment]
-    while stack:
-        deployment = stack.pop()
-        seen.append(deployment)
-        for arg in deployment.init_args:
-            if hasattr(arg, "_bound_deployment"):
-                stack.append(arg._bound_deployment)
-    return list({d.name: d for d in seen}.values())
+    for role in ("prefill", "decode"):
+        replica = deployments[role]._replica_config
+        assert replica.placement_group_bundles == [{"CPU": 16.0, "GPU": 8.0, f"{role}_node": 1}]
+        assert replica.placement_group_strategy == "STRICT_PACK"
+        # The replica holds the bundle's GPUs; vLLM's multiprocessing executor runs the 8 ranks under it.
+        assert replica.ray_actor_options["num_gpus"] == 8
+        assert deployments[role].init_args[0].executor_backend == "mp"
+        assert deployments[role]._deployment_config.num_replicas == 1
 
 
 def test_every_deployment_takes_its_limits_and_runtime_from_the_config_not_serve_s_defaults():

@@ -13,6 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # A pruned copy of KubeRay's RayService CRD schema; the file says where from and how to regenerate it.
 CRD = yaml.safe_load((Path(__file__).with_name("data") / "rayservice_crd_extract.yaml").read_text())
 ENGINE_GROUPS = ("prefill", "decode")
+# p5en.48xlarge: 16 network cards, one EFA interface each (cluster.yaml attaches them all).
+P5EN_EFA_DEVICES = 16
 
 
 @pytest.fixture
@@ -69,7 +71,7 @@ def test_app_args_build_the_gpu_config(app_args):
     assert config.device == Device.CUDA and config.nixl_backends == ("LIBFABRIC",)
     for role in ENGINE_GROUPS:
         group = getattr(config, role)
-        assert group.gpus_per_replica == config.tensor_parallel_size and dict(group.bundle_resources) == {
+        assert config.gpus_per_engine == config.tensor_parallel_size and dict(group.bundle_resources) == {
             f"{role}_node": 1}
 
 
@@ -85,7 +87,7 @@ def test_each_engine_bundle_fits_its_own_worker_group_only(service, app_args):
     config = load_config(app_args)
     for role in ENGINE_GROUPS:
         group = getattr(config, role)
-        bundle = {"CPU": group.cpus_per_replica, "GPU": group.gpus_per_replica, **group.bundle_resources}
+        bundle = {"CPU": group.cpus_per_replica, "GPU": config.gpus_per_engine, **group.bundle_resources}
         fits = {name for name, node in node_types.items()
                 if all(node["resources"].get(key, 0) >= amount for key, amount in bundle.items())}
         assert fits == {role}
@@ -112,7 +114,7 @@ def test_gpu_groups_get_eight_gpus_and_efa(service, app_args):
         container = _ray_container(_groups(service)[role])
         limits = container["resources"]["limits"]
         assert int(limits["nvidia.com/gpu"]) == app_args["tensor_parallel_size"] == 8
-        assert int(limits["vpc.amazonaws.com/efa"]) >= 1
+        assert int(limits["vpc.amazonaws.com/efa"]) == P5EN_EFA_DEVICES
         assert container["resources"]["requests"] == limits  # extended resources need requests == limits
         env = {e["name"]: e["value"] for e in container["env"]}
         assert env["FI_PROVIDER"] == "efa"
@@ -128,3 +130,29 @@ def test_haproxy_ingress_is_on_in_every_ray_container(service):
 def test_dashboard_is_not_exposed_outside_the_cluster(service):
     head = _groups(service)["head"]
     assert head.get("serviceType", "ClusterIP") == "ClusterIP" and not head.get("enableIngress", False)
+
+
+def test_only_the_gpu_pods_get_efa_devices_and_memory_pinning(service):
+    """The EFA device plugin gives a pod its /dev/infiniband devices for vpc.amazonaws.com/efa; the head has none."""
+    for name, group in _groups(service).items():
+        pod = group["template"]["spec"]
+        container = _ray_container(group)
+        capabilities = container.get("securityContext", {}).get("capabilities", {}).get("add", [])
+        efa = container.get("resources", {}).get("limits", {}).get("vpc.amazonaws.com/efa")
+        host_paths = [v["hostPath"]["path"] for v in pod.get("volumes", []) if "hostPath" in v]
+        assert not container.get("securityContext", {}).get("privileged"), name
+        assert not [path for path in host_paths if path.startswith("/dev/")], name
+        if name == "head":
+            assert capabilities == [] and efa is None, name
+        else:
+            assert capabilities == ["IPC_LOCK"] and int(efa) == P5EN_EFA_DEVICES, name
+
+
+def test_every_pod_runs_the_image_docker_file_builds(service):
+    images = {_ray_container(group)["image"] for group in _groups(service).values()}
+    (image,) = images
+    header = [line for line in (ROOT / "kuberay.yaml").read_text().splitlines() if line.startswith("#")]
+    assert any("docker/Dockerfile" in line for line in header)
+    docs = (ROOT / "docs" / "kuberay.md").read_text()
+    assert f"docker build -f docker/Dockerfile -t {image} ." in docs
+    assert not [line for line in docs.splitlines() if line.startswith("FROM ")]  # no second, inline recipe
