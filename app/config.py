@@ -111,6 +111,17 @@ class Limits:
     """A `structured_outputs.regex` longer than this gets 400 at the frontend. An engine's grammar
     compile grows faster than the pattern: here 5 KB took 0.12 s, 15 KB 1.1 s, 32 KB 5.4 s and
     65 KB 54 s of an engine core (xgrammar, the embedded model's 2,048-token vocabulary)."""
+    max_stop_strings: int = 16
+    """`stop` strings per request above this get 400: vLLM checks each against every new token's text."""
+    max_stop_chars: int = 256
+    """A `stop` string longer than this gets 400."""
+    tenant_share: float = 0.5
+    """With api_keys set, the share of a frontend replica's admission places (router_holds) one
+    tenant may hold; past it: 429 + Retry-After, so that one tenant cannot starve the others.
+    Without keys every request is one tenant and only the admission bound applies."""
+    client_write_timeout_s: float = 30.0
+    """A reply the client has not taken for this long (it stopped reading) is ended, and its
+    admission place and engine slots released."""
     render_timeout_s: float = 2.0
     """Rendering and checking one request in the router (chat template, tokenizer, vLLM's checks of
     its sampling parameters), counted from when its own work starts; past it: 400. Prompts too long
@@ -152,14 +163,13 @@ class Limits:
             "router_max_queued_requests", "engine_max_queued_requests", "index_max_queued_requests",
             "bookkeeping_timeout_s", "index_wait_at_start_s", "prefill_timeout_s", "first_chunk_timeout_s",
             "stream_idle_timeout_s", "max_request_bytes", "max_messages", "max_regex_bytes", "render_timeout_s",
+            "max_stop_strings", "max_stop_chars", "client_write_timeout_s",
             "heartbeat_interval_s", "health_check_period_s", "drain_timeout_s", "retained_trim_interval_s")}
         failed = [f"limits.{name} must be > 0" for name, value in positive.items() if value <= 0]
         if self.registration_ttl_s < 2 * self.heartbeat_interval_s:
             failed.append("limits.registration_ttl_s must be at least twice limits.heartbeat_interval_s")
-        if not 0 < self.retained_pool_share <= 1:
-            failed.append("limits.retained_pool_share must lie in (0, 1]")
-        if not 0 < self.retained_yield_usage <= 1:
-            failed.append("limits.retained_yield_usage must lie in (0, 1]")
+        shares = ("retained_pool_share", "retained_yield_usage", "tenant_share")
+        failed += [f"limits.{name} must lie in (0, 1]" for name in shares if not 0 < getattr(self, name) <= 1]
         if failed:
             raise ValueError("invalid config: " + "; ".join(failed))
 
@@ -413,8 +423,9 @@ class AppConfig:
     off, vLLM schedules every running chunk before any waiting request."""
     first_token_from_prefill: bool = True
     """Send the client the first token prefill samples, and let decode continue after it: TTFT
-    then excludes decode's KV read and first step. Off, or for requests with stop strings or a
-    regex, decode samples the first token (vLLM's standard disaggregated flow)."""
+    then excludes decode's KV read and first step. Off, or for requests with stop strings, a regex,
+    presence or frequency penalties or bad words, decode samples the first token (vLLM's standard
+    disaggregated flow)."""
     engine_idle_poll_s: float = 5.0
     """An engine that only holds finished turns for remote readers waits this long for new work
     between connector polls instead of stepping (app/idle_poll.py); 0 keeps vLLM's busy loop.
@@ -469,6 +480,16 @@ class AppConfig:
     and extension to anyone who can reach the server."""
     admin_api_keys: tuple[str, ...] = ()
     """Keys that may read /admin/*; once api_keys or these are set, /admin answers no one else."""
+    secrets_env: str = ""
+    """An environment variable holding the app's secrets as a JSON object (`api_keys`,
+    `admin_api_keys`, `salt_secret`), read where the graph is built, so that no key sits in a Serve
+    config. Serve builds the graph on any node: set it on every node before `ray start`."""
+    salt_secret: str = ""
+    """The server secret each tenant's cache salt is derived from (HMAC-SHA256 of the tenant).
+    Empty: drawn at random when the graph is built."""
+    allow_open_api: bool = False
+    """Serve without api_keys on an HTTP host other than loopback (a development server). Off: the
+    frontend refuses to start then. Serve's HAProxy ingress listens on every interface."""
     per_user_salt_tenants: tuple[str, ...] = ()
     """Tenants whose cache salt is per user (the request's `user` field), for sensitive tenants."""
 
@@ -543,6 +564,13 @@ class AppConfig:
         replica's placement group and picks its Ray executor, which refuses a bundle of more than one
         GPU (vllm/v1/executor/ray_utils.py::initialize_ray_cluster)."""
         return "mp" if self.engine_world_size > 1 else "uni"
+
+    @property
+    def prefix_hash_algo(self) -> str:
+        """vLLM's prefix-cache hash, which the router's hashes match: sha256 once tenants share the
+        engines (vLLM's advice for multi-tenant serving: a collision would hand one tenant another's
+        KV), the faster xxhash for a single tenant."""
+        return "sha256_cbor" if self.api_keys else "xxhash_cbor"
 
     @property
     def tunes_shared_cpu(self) -> bool:
@@ -636,8 +664,8 @@ def _coerce(value: Any, default: Any, name: str) -> Any:
             return _BOOLEANS[value.lower()]
         if isinstance(default, Mapping):
             return yaml.safe_load(value)
-        if isinstance(default, tuple):
-            return tuple(value.split(","))
+        if isinstance(default, tuple):  # an empty value is no item: `admin_api_keys=` sets none
+            return tuple(item for item in value.split(",") if item)
         return type(default)(value)
     except ValueError as exc:
         raise ValueError(f"config key {name}: {exc}") from None

@@ -18,7 +18,6 @@ from typing import Any
 
 from app.config import AppConfig, Device, EngineGroupConfig
 from app.engine_process import plugin_env
-from app.hashing import HASH_ALGO
 from app.idle_poll import IDLE_POLL_ENV
 from app.metrics import kv_bytes_per_token
 from app.nixl_worker import POLL_DELAY_ENV
@@ -142,19 +141,14 @@ class EngineIdentity:
     engine_id: str
     host: str
     port: int
-    events_port: int
     cpu_cores: tuple[int, ...]
     """One core per rank, on CPU where cores are bound; empty otherwise."""
 
     @property
-    def events_endpoint(self) -> str:
-        """Where the KV index subscribes: the node's own address (the events carry token ids)."""
-        return f"tcp://{self.host}:{self.events_port}"
-
-    @property
     def engine_events_endpoint(self) -> str:
-        """Where vLLM publishes, local to the node; vLLM binds only wildcard or ipc endpoints, so the
-        replica forwards from here to `events_endpoint` (app/kv_events.forward)."""
+        """Where vLLM publishes its KV cache events: an ipc socket, on the node only (they carry every
+        tenant's prompt token ids). Its replica reads them there and pushes the KV index their block
+        hashes only (app/kv_events.forward); no event socket is on the network."""
         return f"ipc://{tempfile.gettempdir()}/kv-loop-events-{self.engine_id}"
 
 
@@ -167,7 +161,7 @@ def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> Engi
     indices = [first + i if role == Role.PREFILL else cores - 1 - first - i for i in range(ranks)]
     bound = config.device == Device.CPU and config.bind_engine_cores
     return EngineIdentity(role=role, engine_id=f"{role.value}-{rank}-{uuid.uuid4().hex[:8]}",
-                          host=host, port=free_port(host), events_port=free_port(host),
+                          host=host, port=free_port(host),
                           cpu_cores=tuple(i % cores for i in indices) if bound else ())
 
 
@@ -220,7 +214,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         model=path, tokenizer=path, served_model_name=[config.model_name], dtype=config.engine_dtype,
         block_size=config.block_size, max_model_len=config.max_model_len,
         enforce_eager=config.enforce_eager, enable_prefix_caching=group.prefix_caching,
-        prefix_caching_hash_algo=HASH_ALGO,
+        prefix_caching_hash_algo=config.prefix_hash_algo,
         tensor_parallel_size=config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size,
         distributed_executor_backend=config.executor_backend,
         gpu_memory_utilization=group.gpu_memory_utilization,
@@ -259,13 +253,21 @@ def scheduler_class(config: AppConfig) -> str | None:
 def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, Any]):
     """vLLM's SamplingParams of a request; its constructor refuses what vLLM would not run (the
     router builds them with this same function to refuse a request before any engine sees it)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams  # not `from vllm`: 4 us a call
 
     structured = StructuredOutputsParams(regex=settings.regex) if settings.regex else None
-    return SamplingParams(
-        max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p,
-        top_k=settings.top_k, seed=settings.seed, stop=list(settings.stop) or None, ignore_eos=settings.ignore_eos,
+    allowed = settings.allowed_token_ids
+    # from_optional: vLLM's own mapping of request values (logit_bias keys to token ids, clamped)
+    return SamplingParams.from_optional(
+        max_tokens=settings.max_tokens, min_tokens=settings.min_tokens, temperature=settings.temperature,
+        top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p, seed=settings.seed,
+        presence_penalty=settings.presence_penalty, frequency_penalty=settings.frequency_penalty,
+        repetition_penalty=settings.repetition_penalty, stop=list(settings.stop) or None,
+        stop_token_ids=list(settings.stop_token_ids) or None, bad_words=list(settings.bad_words) or None,
+        include_stop_str_in_output=settings.include_stop_str_in_output, ignore_eos=settings.ignore_eos,
+        logit_bias=dict(settings.logit_bias) or None, allowed_token_ids=None if allowed is None else list(allowed),
+        skip_special_tokens=settings.skip_special_tokens,
+        spaces_between_special_tokens=settings.spaces_between_special_tokens,
         structured_outputs=structured, extra_args={"kv_transfer_params": kv_transfer_params})
 
 

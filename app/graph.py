@@ -11,6 +11,7 @@ Every concurrency cap, queue bound and health-check period comes from `AppConfig
 from typing import TYPE_CHECKING, Any
 
 from app.config import AppConfig, EngineGroupConfig, Limits, load_config
+from app.tenants import with_secrets
 
 if TYPE_CHECKING:  # vLLM imports this package in every engine process: keep Ray out of it
     from ray.serve import Application
@@ -26,7 +27,10 @@ def _replica_options(config: AppConfig, **actor_options: Any) -> dict[str, Any]:
     """What every deployment sets: how Serve runs its Python (config.replica_runtime), its health
     checks and drain, with its actor options."""
     runtime, limits = config.replica_runtime, config.limits
-    return {"ray_actor_options": {**actor_options, "runtime_env": {"env_vars": runtime.env_vars()}},
+    # A request crosses from the frontend to a router replica over Serve's replica gRPC, whose
+    # servers take 4 MiB by default: a body under max_request_bytes must never be refused there.
+    env = {**runtime.env_vars(), "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2 * limits.max_request_bytes + 2**20)}
+    return {"ray_actor_options": {**actor_options, "runtime_env": {"env_vars": env}},
             "logging_config": {"enable_access_log": runtime.access_log},
             "health_check_period_s": limits.health_check_period_s,
             "health_check_timeout_s": limits.health_check_timeout_s,
@@ -54,6 +58,7 @@ def build_graph(config: AppConfig) -> "Application":
     from deployments.prefill import PrefillServer
     from deployments.router import Router
 
+    config = with_secrets(config)  # what every replica gets: key digests, a salt secret
     limits = config.limits
     index = KVIndexServer.options(max_ongoing_requests=limits.index_max_ongoing_requests,
                                   max_queued_requests=limits.index_max_queued_requests,

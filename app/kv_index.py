@@ -14,7 +14,7 @@ owner: whoever `take`s it out of the index. Only the owner pulls it or releases 
 import time
 from collections import OrderedDict
 
-from app.hashing import DEFAULT_HASH_SEED, block_hashes
+from app.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, block_hashes
 from app.protocol import PrefixLookup, ReplicaInfo, RetainedBlocks, RetainedMatch, Role
 
 SequenceKey = tuple[str, str]  # (decode replica id, engine request id)
@@ -24,8 +24,8 @@ CONFIRMED = -1.0  # a prefill block reported by the engine's KV events, not only
 class KVIndex:
     def __init__(self, block_size: int, prefill_capacity_blocks: int = 100_000,
                  hash_seed: int = DEFAULT_HASH_SEED, predicted_confidence: float = 0.8,
-                 predicted_ttl_s: float = 300.0) -> None:
-        self.block_size, self.hash_seed = block_size, hash_seed
+                 predicted_ttl_s: float = 300.0, hash_algo: str = DEFAULT_HASH_ALGO) -> None:
+        self.block_size, self.hash_seed, self.hash_algo = block_size, hash_seed, hash_algo
         self.predicted_confidence, self.predicted_ttl_s = predicted_confidence, predicted_ttl_s
         self.prefill_capacity_blocks = prefill_capacity_blocks
         self.replicas: dict[str, ReplicaInfo] = {}
@@ -64,7 +64,7 @@ class KVIndex:
 
     # ---- decode's retained sequences -------------------------------------------------------
     def retained_hashes(self, salt: str, retained: RetainedBlocks) -> list[bytes]:
-        return block_hashes(list(retained.token_ids), self.block_size, salt, self.hash_seed)
+        return block_hashes(list(retained.token_ids), self.block_size, salt, self.hash_seed, self.hash_algo)
 
     def record_retained(self, salt: str, retained: RetainedBlocks, hashes: list[bytes] | None = None) -> None:
         """`hashes`: the sequence's block hashes, if the caller computed them already."""

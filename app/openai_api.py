@@ -1,11 +1,14 @@
 """The OpenAI-compatible wire format: request validation in, response and SSE chunk shapes out.
 
-Fields this server does not implement are refused by name when they ask for something (`n` > 1,
-`tools`, `logprobs`, ...), never silently ignored; other unknown fields are accepted and ignored
-(clients send many). `kv_transfer_params` in particular is never read: only the router's own
-records decide what is pulled from where. A client-supplied `chat_template` is refused. Sampling
-fields are typed here and checked by vLLM's own code in the router (app/request_check.py), not by
-a copy of its rules.
+Every field of vLLM's own request models (its ChatCompletionRequest and CompletionRequest) is
+honoured, or refused by name when a request sets it to anything but vLLM's default (`n` > 1,
+`tools`, `logprobs`, ...), never silently ignored: the honoured ones are typed here, the router
+refuses the others (app/request_check.py, which reads the list from vLLM's models). Fields vLLM
+does not know are logged and ignored, as vLLM's server does (clients send many), except a few of
+OpenAI's that would change the reply (`FOREIGN_REFUSED`). `kv_transfer_params` in particular is
+never read: only the router's own records decide what is pulled from where. A client-supplied
+`chat_template` is refused. Sampling fields are checked by vLLM's own code in the router, not by a
+copy of its rules.
 """
 
 import json
@@ -14,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from app.config import Limits
 from app.conversations import RenderMode
 from app.protocol import SamplingSettings
 from app.routing import RoutingPolicy
@@ -21,18 +25,74 @@ from app.routing import RoutingPolicy
 DEFAULT_MAX_TOKENS = 256
 """max_tokens of a request that names none."""
 ROLES = ("system", "user", "assistant", "developer", "tool")
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
-               "response_format", "chat_template", "best_of", "echo", "suffix", "presence_penalty",
-               "frequency_penalty", "repetition_penalty", "audio", "modalities", "prediction", "n")
-"""Fields that would change the reply if honoured: refused unless absent or at a no-op value."""
-NO_OP = (None, False, "", [], {})
-NO_OP_BY_FIELD = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
-                  "repetition_penalty": (1,), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
+_TOOLS = "tool calling is not implemented"
+_LOGPROBS = "log probabilities are not returned"
+_RENDERING = "conversations are rendered append-only with the model's own chat template"
+_TEXT_ONLY = "this server reads and returns text only"
+REFUSED_BECAUSE = {
+    "tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS, "functions": _TOOLS,
+    "function_call": _TOOLS,
+    "n": "one choice per request", "best_of": "one choice per request",
+    "use_beam_search": "beam search is not implemented", "length_penalty": "it applies to beam search only",
+    "logprobs": _LOGPROBS, "top_logprobs": _LOGPROBS, "prompt_logprobs": _LOGPROBS, "logprob_token_ids": _LOGPROBS,
+    "return_tokens_as_token_ids": _LOGPROBS,
+    "response_format": "not implemented; structured_outputs.regex is",
+    "chat_template": "a client's template is not run",
+    "add_generation_prompt": _RENDERING, "continue_final_message": _RENDERING, "add_special_tokens": _RENDERING,
+    "documents": _RENDERING,
+    "reasoning_effort": "no reasoning parser runs here; chat_template_kwargs (enable_thinking) is honoured",
+    "include_reasoning": "no reasoning parser runs here", "thinking_token_budget": "no reasoning parser runs here",
+    "echo": "the prompt is not echoed", "suffix": "not implemented",
+    "truncate_prompt_tokens": "prompts are not truncated", "truncation_side": "prompts are not truncated",
+    "media_io_kwargs": _TEXT_ONLY, "mm_processor_kwargs": _TEXT_ONLY, "mm_payload": _TEXT_ONLY,
+    "return_mm_kwargs": _TEXT_ONLY, "prompt_embeds": _TEXT_ONLY, "audio": _TEXT_ONLY, "modalities": _TEXT_ONLY,
+    "prediction": "predicted outputs are not implemented",
+    "priority": "this server sets priorities itself (later turns first)",
+    "request_id": "this server names its requests", "cache_salt": "this server salts the prefix cache per tenant",
+    "vllm_xargs": "no custom extension runs here",
+    "repetition_detection": "not implemented", "watermarking": "not implemented",
+    "stream_interval": "chunks stream as the engines produce them",
+    "routed_experts_prompt_start": "expert routing is not returned", "return_token_offsets": "not returned",
+    "return_prompt_text": "not returned",
+}
+"""Why a field the server does not honour is refused (a vLLM field not listed: `NOT_IMPLEMENTED`)."""
+NOT_IMPLEMENTED = "not implemented"
+FOREIGN_REFUSED = ("functions", "function_call", "audio", "modalities", "prediction", "best_of")
+"""OpenAI's fields that vLLM's models lack and that would change the reply: refused all the same."""
+IGNORED = ("kv_transfer_params", "ec_transfer_params")
+"""vLLM fields dropped from every request as it is read: only the router's own records decide what
+is transferred from where."""
+ASKS_NOTHING = {"response_format": ({"type": "text"},)}
+"""Values, besides vLLM's default, null and empty ones, that ask for nothing."""
 
 
-def unsupported_fields(body: dict[str, Any]) -> list[str]:
-    return [name for name in UNSUPPORTED
-            if name in body and body[name] not in NO_OP + NO_OP_BY_FIELD.get(name, ())]
+def asks_nothing(name: str, value: Any, default: Any) -> bool:
+    """Whether `value` of a field this server does not honour asks for nothing: vLLM's default
+    (`default`), null, empty, or false where vLLM's default is null."""
+    if value is None or (isinstance(value, (str, list, dict)) and not value) or value in ASKS_NOTHING.get(name, ()):
+        return True
+    if value is False and default is None:
+        return True
+    return value == default and isinstance(value, bool) == isinstance(default, bool)
+
+
+def refused_fields(extra: dict[str, Any], vllm_defaults: dict[str, Any]) -> str | None:
+    """The message refusing the fields in `extra` (those this server's models do not declare) that
+    vLLM's request model declares (`vllm_defaults`: name to default) or `FOREIGN_REFUSED` names,
+    set to anything that asks for something; None if there is none."""
+    refused = [name for name, value in extra.items()
+               if (name in vllm_defaults or name in FOREIGN_REFUSED) and name not in IGNORED
+               and not asks_nothing(name, value, vllm_defaults.get(name))]
+    if not refused:
+        return None
+    reasons = (f"{name} ({REFUSED_BECAUSE.get(name, NOT_IMPLEMENTED)})" for name in sorted(refused))
+    return f"not supported by this server: {', '.join(reasons)}"
+
+
+def _refuse_extra(model: BaseModel, prefix: str) -> None:
+    """For a nested object: refuse the keys it does not declare that ask for something."""
+    if asked := [name for name, value in (model.model_extra or {}).items() if not asks_nothing(name, value, None)]:
+        raise ValueError(f"not supported by this server: {', '.join(f'{prefix}.{n}' for n in sorted(asked))}")
 
 
 class ChatMessage(BaseModel):
@@ -64,16 +124,30 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+
+    @model_validator(mode="after")
+    def _nothing_else(self) -> "StreamOptions":
+        _refuse_extra(self, "stream_options")  # continuous_usage_stats
+        return self
 
 
 class StructuredOutputs(BaseModel):
+    model_config = ConfigDict(extra="allow")
     regex: str
     """Bounded by the frontend (`limits.max_regex_bytes`), compiled by the router's check, off any event loop."""
 
+    @model_validator(mode="after")
+    def _nothing_else(self) -> "StructuredOutputs":
+        _refuse_extra(self, "structured_outputs")  # json, choice, grammar, ...: only regex is implemented
+        return self
+
 
 class GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Undeclared fields are kept (`model_extra`) for the router's check, which refuses vLLM's
+    # fields this server does not honour and ignores the rest, as vLLM does.
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -92,6 +166,22 @@ class GenerationRequest(BaseModel):
     """vLLM's extension: constrain the reply (here: `regex`)."""
     return_token_ids: bool = False
     """vLLM's extension: include prompt and generated token ids in the response."""
+    # vLLM's sampling extensions and OpenAI's penalties, typed as vLLM's models type them; their
+    # values are checked by vLLM's SamplingParams in the router.
+    min_tokens: int = 0
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    session_id: str | None = None
+    """vLLM's extension: a chat's conversation identity, before the X-Session-ID header as in vLLM."""
     routing_policy: RoutingPolicy | None = None
     """This project's extension: the prefill routing policy for this request (default: the config's)."""
     reverse_pull: bool | None = None
@@ -104,17 +194,46 @@ class GenerationRequest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_unsupported(cls, body: Any) -> Any:
-        if isinstance(body, dict) and (names := unsupported_fields(body)):
-            raise ValueError(f"not supported by this server: {', '.join(names)}")
+    def _drop_ignored(cls, body: Any) -> Any:
+        if isinstance(body, dict) and not body.keys().isdisjoint(IGNORED):
+            return {name: value for name, value in body.items() if name not in IGNORED}
         return body
 
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
     def sampling(self, default_max_tokens: int) -> SamplingSettings:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        allowed = self.allowed_token_ids
         return SamplingSettings(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
                                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                                stop=stop, ignore_eos=self.ignore_eos,
-                                regex=self.structured_outputs.regex if self.structured_outputs else None)
+                                stop=self.stop_strings, ignore_eos=self.ignore_eos,
+                                regex=self.structured_outputs.regex if self.structured_outputs else None,
+                                min_tokens=self.min_tokens, min_p=_or(self.min_p, 0.0),
+                                presence_penalty=_or(self.presence_penalty, 0.0),
+                                frequency_penalty=_or(self.frequency_penalty, 0.0),
+                                repetition_penalty=_or(self.repetition_penalty, 1.0),
+                                stop_token_ids=tuple(self.stop_token_ids or ()), bad_words=tuple(self.bad_words or ()),
+                                include_stop_str_in_output=self.include_stop_str_in_output,
+                                logit_bias=tuple((self.logit_bias or {}).items()),
+                                allowed_token_ids=None if allowed is None else tuple(allowed),
+                                skip_special_tokens=self.skip_special_tokens,
+                                spaces_between_special_tokens=self.spaces_between_special_tokens)
+
+    def over_limits(self, limits: Limits) -> str | None:
+        """What in the request exceeds the server's bounds on work a field can ask of an engine:
+        a grammar's compile time grows faster than its regex, and vLLM checks every stop string
+        against every new token's text."""
+        regex_bytes = len(self.structured_outputs.regex.encode()) if self.structured_outputs else 0
+        if regex_bytes > limits.max_regex_bytes:
+            return (f"structured_outputs.regex: {regex_bytes} bytes exceed this server's limit of "
+                    f"{limits.max_regex_bytes}")
+        stop = self.stop_strings
+        if len(stop) > limits.max_stop_strings:
+            return f"stop: {len(stop)} strings exceed this server's limit of {limits.max_stop_strings}"
+        if longest := max((len(s) for s in stop if len(s) > limits.max_stop_chars), default=0):
+            return f"stop: a string of {longest} characters exceeds this server's limit of {limits.max_stop_chars}"
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -133,6 +252,10 @@ class ChatCompletionRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Ports this app binds (engine side channels, KV events, Serve's ingress in local runs), picked
+"""Ports this app binds (engine side channels, Serve's ingress in local runs), picked
 where no other process's bind(0) can take them first."""
 
 import random

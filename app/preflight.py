@@ -52,11 +52,13 @@ class EngineGroupPlan:
 
 # ---- the Serve config, built as `serve deploy` builds it -----------------------------------------
 def serve_config(path: Path) -> tuple[dict, dict | None]:
-    """The Serve config in `path` and, for a RayService manifest, its RayCluster spec."""
-    document = yaml.safe_load(path.read_text())
-    if document.get("kind") == "RayService":
-        return yaml.safe_load(document["spec"]["serveConfigV2"]), document["spec"].get("rayClusterConfig")
-    return document, None
+    """The Serve config in `path` and, for a RayService manifest (beside other objects, such as its
+    NetworkPolicy), its RayCluster spec."""
+    documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for document in documents:
+        if document.get("kind") == "RayService":
+            return yaml.safe_load(document["spec"]["serveConfigV2"]), document["spec"].get("rayClusterConfig")
+    return documents[0], None
 
 
 def build_applications(config: dict) -> list[Any]:
@@ -66,6 +68,10 @@ def build_applications(config: dict) -> list[Any]:
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate(config)
+    for name in secrets_set_elsewhere(config):
+        print(f"preflight: {name} (secrets_env) is not set here; the app reads it on the cluster's nodes, "
+              "where `ray start` ran", file=sys.stderr)
+        os.environ[name] = "{}"  # build without keys: the layout does not depend on them
     return [call_user_app_builder_with_args_if_necessary(import_attr(app.import_path), app.args)
             for app in schema.applications]
 
@@ -236,6 +242,12 @@ def live_nodes(address: str) -> dict[str, dict[str, float]]:
 
 
 # ---- the command ---------------------------------------------------------------------------------
+def secrets_set_elsewhere(config: dict) -> list[str]:
+    """The applications' `secrets_env` variables this shell lacks."""
+    names = {app.get("args", {}).get("secrets_env") for app in config.get("applications", [])}
+    return sorted(name for name in names if name and name not in os.environ)
+
+
 def preflight(path: Path, address: str | None = None) -> list[str]:
     """Every problem found with the config in `path`; empty if it will start."""
     config, cluster_spec = serve_config(path)

@@ -9,6 +9,7 @@ Greedy replies stay token-exact across the move; the client sees one uninterrupt
 
 import logging
 import weakref
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -28,7 +29,8 @@ class Relay:
     def __init__(self, router: Any, request: ClientRequest, max_tokens: int, attempts: int,
                  movable: bool = True, on_move: Callable[[str], None] = lambda stage: None) -> None:
         """`router`: a streaming handle to the router; `movable`: False for a reply whose state
-        cannot move (a grammar's): it fails with its replica; `on_move(stage)`: counts each move."""
+        cannot move (a grammar's, or penalties over the reply so far): it fails with its replica;
+        `on_move(stage)`: counts each move."""
         self.router, self.request, self.max_tokens = router, request, max_tokens
         self.attempts, self.movable, self.on_move = attempts, movable, on_move
         self.start: ReplyStart | None = None
@@ -101,19 +103,28 @@ class Relay:
 
 class Admission:
     """The replies one frontend replica holds, each from its request until its reply ends; past
-    `capacity` a request is refused (the frontend answers 503 + Retry-After)."""
+    `capacity` a request is refused (503 + Retry-After), past `tenant_capacity` a tenant's (429)."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity, self.held = capacity, 0
+    def __init__(self, capacity: int, tenant_capacity: int) -> None:
+        self.capacity, self.tenant_capacity = capacity, tenant_capacity
+        self.held, self.held_by = 0, Counter[str]()
 
-    def admit(self, relay: Relay) -> Callable[[], None] | None:
-        """A one-shot release for `relay`'s place, or None when every place is held. The place is
-        also released when the relay is dropped unread: a client gone before its stream started
-        never runs the stream's own cleanup."""
-        if self.held >= self.capacity:
+    @property
+    def full(self) -> bool:
+        return self.held >= self.capacity
+
+    def admit(self, relay: Relay, tenant: str) -> Callable[[], None] | None:
+        """A one-shot release for `relay`'s place, or None when every place, or the tenant's share,
+        is held. The place is also released when the relay is dropped unread: a client gone before
+        its stream started never runs the stream's own cleanup."""
+        if self.full or self.held_by[tenant] >= self.tenant_capacity:
             return None
         self.held += 1
-        return weakref.finalize(relay, self._release)
+        self.held_by[tenant] += 1
+        return weakref.finalize(relay, self._release, tenant)
 
-    def _release(self) -> None:
+    def _release(self, tenant: str) -> None:
         self.held -= 1
+        self.held_by[tenant] -= 1
+        if not self.held_by[tenant]:
+            del self.held_by[tenant]

@@ -117,4 +117,4 @@ def migrated(request: DecodeRequest, sent: list[int]) -> DecodeRequest | None:
         return None
     return replace(request, request_id=f"{request.request_id}-m", handoff=None,
                    prompt_token_ids=request.prompt_token_ids + tuple(sent),
-                   sampling=replace(request.sampling, max_tokens=remaining))
+                   sampling=request.sampling.after(len(sent)))

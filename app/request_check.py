@@ -1,9 +1,13 @@
 """What vLLM would refuse, refused in the router before any engine sees it.
 
+    request fields vLLM's own request models declare, that this server does not honour
+        (vLLM's ChatCompletionRequest / CompletionRequest, read here) ──▶ BadRequest naming them
     SamplingSettings ──sampling_params() (the engines' own function)──▶ vLLM SamplingParams
-        constructor:  vLLM's argument checks (stop, temperature, top_k, ...)
-        verify():     vLLM's request-time checks against the model; for a regex, the grammar
-                      backend the engines run validates it (vLLM's own compile timeout applies)
+        constructor:  vLLM's argument checks (stop, temperature, top_k, penalties, min_tokens, ...)
+        verify():     vLLM's request-time checks against the model (token ids within the
+                      vocabulary); for a regex, the grammar backend the engines run validates it
+                      (vLLM's own compile timeout applies)
+        tokenizer:    bad_words tokenized as the engines' input processor does
         encode:       vLLM's msgpack encoder, which carries the params to the engine core
     ──▶ ok, or BadRequest naming the field (400)
 An engine given such a request failed it, and the router took that for a dying engine: it marked
@@ -11,16 +15,30 @@ the replica suspect and moved the turn to the next engine, which failed the same
 request made every engine unavailable for `suspect_replica_s`.
 """
 
+import json
+import logging
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from app.chat import BadRequest
 from app.engine import sampling_params
+from app.openai_api import ChatCompletionRequest, GenerationRequest, refused_fields
 from app.protocol import SamplingSettings
+
+logger = logging.getLogger("ray.serve")
 
 ENGINE_INT_RANGE = range(-(2**63), 2**64)
 """The integers vLLM's msgpack transport carries (signed or unsigned 64-bit)."""
+
+
+def vllm_request_defaults() -> dict[bool, dict[str, Any]]:
+    """The fields of vLLM's own request models with their defaults: chat (True) and completions."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VLLMChat
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VLLMCompletion
+
+    return {chat: {name: info.get_default(call_default_factory=True) for name, info in model.model_fields.items()}
+            for chat, model in ((True, VLLMChat), (False, VLLMCompletion))}
 
 
 class RequestCheck:
@@ -29,13 +47,30 @@ class RequestCheck:
 
     def __init__(self, model_path: Path, max_model_len: int, engine_kwargs: dict[str, Any], tokenizer: Any) -> None:
         from vllm.config import ModelConfig, StructuredOutputsConfig
+        from vllm.tokenizers.hf import get_cached_tokenizer
         from vllm.v1.serial_utils import MsgpackEncoder
 
         self.model = ModelConfig(model=str(model_path), tokenizer=str(model_path), max_model_len=max_model_len)
         self.structured = StructuredOutputsConfig(**dict(engine_kwargs.get("structured_outputs_config") or {}))
-        self.tokenizer, self.encoder = tokenizer, MsgpackEncoder()
+        # vLLM's view of the tokenizer (its max_token_id bounds bad words), as the engines hold it
+        self.tokenizer, self.encoder = get_cached_tokenizer(tokenizer), MsgpackEncoder()
+        self.vllm_defaults = vllm_request_defaults()
+
+    def check_fields(self, body: GenerationRequest) -> None:
+        """Refuse the fields of vLLM's request model this server does not honour (the body's
+        undeclared ones) when set to anything but a value that asks for nothing. A field vLLM does
+        not know either is logged and ignored, as vLLM's server does with it."""
+        extra = body.model_extra
+        if not extra:
+            return
+        defaults = self.vllm_defaults[isinstance(body, ChatCompletionRequest)]
+        if message := refused_fields(extra, defaults):
+            raise BadRequest(message)
+        if unknown := sorted(extra.keys() - defaults.keys()):
+            logger.debug(json.dumps({"event": "request_fields_ignored", "fields": unknown[:20]}))
 
     def check(self, settings: SamplingSettings) -> None:
+        from vllm import envs
         from vllm.exceptions import VLLMClientError
 
         try:
@@ -44,9 +79,19 @@ class RequestCheck:
             raise BadRequest(f"invalid sampling parameters: {exc}") from None
         try:
             params.verify(self.model, None, self.structured, self.tokenizer)
-        except (VLLMClientError, ValueError) as exc:  # with this server's fields, only a grammar fails here
-            what = "structured_outputs.regex: invalid regex" if settings.regex else "invalid request"
+        except (VLLMClientError, ValueError) as exc:  # vLLM's name the field (parameter=); a grammar's do not
+            grammar = settings.regex and getattr(exc, "parameter", None) is None
+            what = "structured_outputs.regex: invalid regex" if grammar else "invalid sampling parameters"
             raise BadRequest(f"{what}: {exc}") from None
+        try:
+            params.update_from_tokenizer(self.tokenizer)
+        except VLLMClientError as exc:
+            raise BadRequest(f"invalid sampling parameters: {exc}") from None
+        # The engines' model runner (V2) refuses more in its worker, where a refusal is no 400.
+        bad_word_tokens = sum(map(len, params.bad_words_token_ids or ()))
+        if bad_word_tokens > envs.VLLM_MAX_BAD_WORDS_TOTAL_TOKENS:
+            raise BadRequest(f"bad_words: {bad_word_tokens} tokens exceed vLLM's limit of "
+                             f"{envs.VLLM_MAX_BAD_WORDS_TOTAL_TOKENS}")
         try:
             self.encoder.encode(params)
         except OverflowError as exc:
@@ -57,4 +102,8 @@ class RequestCheck:
 def out_of_range(settings: SamplingSettings) -> list[str]:
     """The integer fields vLLM's transport cannot carry."""
     return [f.name for f in fields(settings)
-            if isinstance(value := getattr(settings, f.name), int) and value not in ENGINE_INT_RANGE]
+            if any(isinstance(v, int) and v not in ENGINE_INT_RANGE for v in _values(getattr(settings, f.name)))]
+
+
+def _values(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)

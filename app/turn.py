@@ -145,7 +145,8 @@ class TurnLoop:
         self.choosers = {p: PrefillChooser(p, self.policy, weights) for p in RoutingPolicy}
         self.journal = TurnJournal(config.block_size, metrics)
         self.engines = LiveEngines(self.limits.suspect_replica_s)
-        self.own_retained = KVIndex(config.block_size, hash_seed=config.prefix_hash_seed)
+        self.own_retained = KVIndex(config.block_size, hash_seed=config.prefix_hash_seed,
+                                    hash_algo=config.prefix_hash_algo)
         """The retained sequences this router recorded in the index, as a near cache: a short append
         to one of them goes to decode without an index call. Stale entries cost speed, never
         correctness: decode's prefix cache checks every block by hash."""
@@ -199,7 +200,7 @@ class TurnLoop:
     async def prepare(self, turn: Turn, ledger: TurnLedger) -> PreparedTurn:
         # Off the event loop: a long prompt's hashes would stall every other stream of this router.
         hashes = await asyncio.to_thread(block_hashes, list(turn.prompt_token_ids), self.config.block_size,
-                                         turn.cache_salt, self.config.prefix_hash_seed)
+                                         turn.cache_salt, self.config.prefix_hash_seed, self.config.prefix_hash_algo)
         ledger.hashes = hashes
         started = time.perf_counter()
         decision = await self._plan(turn, hashes, ledger)
@@ -253,7 +254,7 @@ class TurnLoop:
                 raise
             except Exception as exc:  # noqa: BLE001 - the engine died mid-reply: continue it elsewhere
                 self._unless_refused(exc, "reply", prepared.turn.request_id)
-                if prepared.turn.sampling.regex:  # a grammar's state cannot move to another engine
+                if prepared.turn.sampling.reads_reply:  # its state (a grammar's, penalties') cannot move
                     raise
                 self._failed(stream.replica_id, "reply", prepared.turn.request_id, exc)
                 rest = migrated(stream.request, sent)
@@ -489,7 +490,7 @@ class TurnLoop:
         turn, first, retained = prepared.turn, prepared.prefill.first_chunk, prepared.decision.retained
         prompt, sampling = turn.prompt_token_ids, turn.sampling
         if first is not None:  # decode continues after the token prefill sent
-            prompt, sampling = prompt + first.token_ids, replace(sampling, max_tokens=sampling.max_tokens - 1)
+            prompt, sampling = prompt + first.token_ids, sampling.after(1)
         return DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=prompt, cache_salt=turn.cache_salt,
                              sampling=sampling, handoff=prepared.prefill.handoff,
                              target_replica_id=retained.replica_id if retained else "", priority=CONTINUATION_PRIORITY)
@@ -533,10 +534,11 @@ class TurnLoop:
         self.metrics.record_ttft(prepared.turn.turn_index, elapsed)
 
     def _first_token_settings(self, turn: Turn) -> SamplingSettings | None:
-        """Prefill samples the first token unless stop strings or a grammar must see the whole
-        reply in one engine (decode would start them afresh after the first token)."""
+        """Prefill samples the first token unless stop strings, or sampling that reads the reply
+        (a grammar, penalties, bad words), must see the whole reply in one engine (decode would
+        start them afresh after the first token, which it reads as prompt)."""
         settings = turn.sampling
-        if not self.config.first_token_from_prefill or settings.stop or settings.regex:
+        if not self.config.first_token_from_prefill or settings.stop or settings.reads_reply:
             return None
         return settings
 

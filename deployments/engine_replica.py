@@ -3,6 +3,7 @@ KV index told that it lives (a heartbeat), stream whole turns, and report a dead
 
 config ──▶ Engine(role, rank) ──ReplicaInfo every heartbeat──▶ kv_index
 router ──DecodeRequest──▶ generate() ──ReplyChunk…, the last with RetainedBlocks──▶ router
+prefill: engine ──KV cache events (node-local ipc)──▶ here ──KVEvents, block hashes only──▶ kv_index
 """
 
 import asyncio
@@ -67,16 +68,17 @@ class EngineReplica:
         self.config, self.index = config, index.options(_by_reference=False)
         self.engine = Engine(config, self.role, context.rank.rank, ray.util.get_node_ip_address())
         group = config.prefill if self.role == Role.PREFILL else config.decode
-        publishes = publishes_kv_events(config, self.role)
         self.info = ReplicaInfo(replica_id=self.replica_id, role=self.role, endpoint=self.engine.endpoint,
-                                prefix_caching=group.prefix_caching, block_size=config.block_size,
-                                events_endpoint=self.engine.identity.events_endpoint if publishes else "")
+                                prefix_caching=group.prefix_caching, block_size=config.block_size)
         # Before the KV events flow and the index knows this replica: the probe is seen by nobody.
         await self.engine.probe_compute_cost(config.placement.probe_tokens)
         loop = asyncio.get_event_loop()
-        if publishes:
-            local, public = self.engine.identity.engine_events_endpoint, self.engine.identity.events_endpoint
-            self._events = loop.create_task(kv_events.forward(local, public))
+        if publishes_kv_events(config, self.role):
+            # The engine's events stay on the node: the index gets their block hashes, over its handle.
+            kv_events.preload()
+            pusher = kv_events.Pusher(self.replica_id, self.index.apply_kv_events.remote,
+                                      config.limits.bookkeeping_timeout_s)
+            self._events = loop.create_task(kv_events.forward(self.engine.identity.engine_events_endpoint, pusher))
         _reattach(log_targets)
         await index.register.remote(self.beat())
         self._heartbeat = loop.create_task(self._heartbeat_forever())

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve import metrics
+from ray.serve.context import _get_global_client
 from ray.serve.exceptions import BackPressureError
 
 from app.chat import BadRequest
@@ -40,7 +41,7 @@ from app.protocol import ClientRequest
 from app.relay import Admission, NoRouterAlive, Relay
 from app.reply import EngineRefused, NoEngineAlive, StageTimeout
 from app.routing import NoPrefillReplica
-from app.tenants import KeyRing, Unauthorized
+from app.tenants import KeyRing, Unauthorized, open_api_refusal
 from deployments.http_guard import HttpGuard, error_response, open_paths, serve_docs
 
 logger = logging.getLogger("ray.serve")
@@ -100,11 +101,15 @@ class Frontend:
         api.state.max_request_bytes, api.state.retry_after_s = self.limits.max_request_bytes, self.limits.retry_after_s
         if config.openapi_docs:
             serve_docs(api)
+        if refusal := open_api_refusal(config, _get_global_client().http_config.host):
+            raise RuntimeError(refusal)
         api.state.keys, api.state.open_paths = KeyRing.of(config.api_keys, config.admin_api_keys), open_paths(api)
+        api.state.write_timeout_s = self.limits.client_write_timeout_s
         # Admission is counted here, not left to Serve's caller-side queue bound: under a burst
         # Serve sent 20 of 20 requests on with 12 places (a replica's refusals re-enter its queue
-        # unchecked). One frontend replica holds what one router replica does.
-        self.admission = Admission(self.limits.router_holds)
+        # unchecked). One frontend replica holds what one router replica does; one tenant, its share.
+        holds = self.limits.router_holds
+        self.admission = Admission(holds, max(1, int(holds * self.limits.tenant_share)) if config.api_keys else holds)
         self.health_body: dict[str, Any] = {"status": "starting", "live_engines": {}}
         self.health_at = 0.0
         asyncio.get_event_loop().create_task(self._follow_health())
@@ -163,16 +168,18 @@ class Frontend:
         if body.model and body.model != self.config.model_name:
             return error_response(f"the model {body.model!r} does not exist; this server serves "
                                   f"{self.config.model_name!r}", 404)
-        regex_bytes = len(body.structured_outputs.regex.encode()) if body.structured_outputs else 0
-        if regex_bytes > self.limits.max_regex_bytes:  # the router compiles it: bound its time there
-            raise BadRequest(f"structured_outputs.regex: {regex_bytes} bytes exceed this server's limit of "
-                             f"{self.limits.max_regex_bytes}")
-        relay = Relay(self.streams, request, body.sampling(DEFAULT_MAX_TOKENS).max_tokens, ROUTER_ATTEMPTS,
-                      movable=body.structured_outputs is None,  # a grammar's state cannot move
+        if problem := body.over_limits(self.limits):
+            raise BadRequest(problem)
+        sampling = body.sampling(DEFAULT_MAX_TOKENS)
+        relay = Relay(self.streams, request, sampling.max_tokens, ROUTER_ATTEMPTS,
+                      movable=not sampling.reads_reply,  # a grammar's or penalties' state cannot move
                       on_move=lambda stage: self.moves.inc(1, {"stage": stage}))
-        if (release := self.admission.admit(relay)) is None:
-            return error_response("the server is at its request limit; retry shortly", 503,
-                                  retry_after_s=self.limits.retry_after_s)
+        if (release := self.admission.admit(relay, api.state.keys.tenant_of(request.authorization))) is None:
+            if self.admission.full:
+                return error_response("the server is at its request limit; retry shortly", 503,
+                                      retry_after_s=self.limits.retry_after_s)
+            return error_response("this API key holds its share of the server's requests in flight; retry "
+                                  "when one ends", 429, retry_after_s=self.limits.retry_after_s)
         try:
             start = await relay.begin()
         except BaseException:

@@ -1,5 +1,6 @@
-"""The frontend's outermost ASGI layer: the API key (401/403), the body-size cap (413), and the OpenAI
-error shape for any failure that escapes the handlers (never Starlette's plain-text 500).
+"""The frontend's outermost ASGI layer: the API key (401/403), the body-size cap (413), a write
+timeout for clients that stop reading, and the OpenAI error shape for any failure that escapes the
+handlers (never Starlette's plain-text 500).
 
 HTTP ──▶ HttpGuard: key, size ──▶ FastAPI (body read, validation, handlers, admission) ──▶ ...
 The key is checked before anything reads the body or takes an admission place: a request without
@@ -7,6 +8,7 @@ a valid key costs the server its headers only. Pure ASGI rather than Starlette's
 BaseHTTPMiddleware, which would wrap every streamed chunk.
 """
 
+import asyncio
 import json
 import logging
 
@@ -43,6 +45,11 @@ class BodyTooLarge(Exception):
     pass
 
 
+class ClientStoppedReading(Exception):
+    """A response part waited `write_timeout_s` for the client to take it: the reply ends, and its
+    stream's cleanup releases its admission place and engine slots."""
+
+
 class HttpGuard:
     def __init__(self, app) -> None:
         self.app = app
@@ -71,17 +78,42 @@ class HttpGuard:
         async def tracking_send(message):
             nonlocal started
             started = started or message["type"] == "http.response.start"
-            await send(message)
+            await send_within(send, message, state.write_timeout_s)
 
         try:
             await self.app(scope, counting_receive, tracking_send)
         except BodyTooLarge:
             if not started:
                 await _send_json(send, _too_large(limit))
+        except ClientStoppedReading:
+            logger.warning("%s: the client took nothing for %.0f s: reply ended", scope["path"], state.write_timeout_s)
         except Exception as exc:  # noqa: BLE001 - the last line: answer in the API's error shape
             logger.exception("request failed")
             if not started:
                 await _send_json(send, (500, error_body(f"internal error: {type(exc).__name__}", 500)))
+
+
+async def send_within(send, message, timeout_s: float) -> None:
+    """`send(message)`, or ClientStoppedReading after `timeout_s`. A timer on the loop rather than
+    asyncio.wait_for, which would start a task for every streamed chunk."""
+    task, expired = asyncio.current_task(), False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        task.cancel()
+
+    timer = asyncio.get_running_loop().call_later(timeout_s, expire)
+    try:
+        await send(message)
+    except asyncio.CancelledError:
+        if not expired:
+            raise
+        if hasattr(task, "uncancel"):  # Python 3.11+: this cancellation is handled here
+            task.uncancel()
+        raise ClientStoppedReading from None
+    finally:
+        timer.cancel()
 
 
 def _refused(state, path: str, authorization: bytes | None) -> tuple[int, dict] | None:

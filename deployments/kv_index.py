@@ -1,8 +1,9 @@
 """The KV index actor: one replica holding app.kv_index.KVIndex and the shared conversation records.
 
 engine replicas ──register (heartbeat)──▶ here ◀──lookup/take/record──▶ router replicas
+prefill replicas ──apply_kv_events (their engines' KV cache events, block hashes only)──▶ here
 Its state is soft: after a restart the engines' heartbeats make the membership whole within
-seconds, and lost records or retained sequences cost reuse, never correctness.
+seconds, and lost records, retained sequences or KV events cost reuse, never correctness.
 """
 
 import asyncio
@@ -16,7 +17,7 @@ from app import kv_events
 from app.config import AppConfig
 from app.conversations import ConversationStore, HistoryMatch
 from app.kv_index import KVIndex, SequenceKey
-from app.protocol import Membership, PrefixLookup, ReplicaInfo, RetainedBlocks, Role, TurnRecords
+from app.protocol import KVEvents, Membership, PrefixLookup, ReplicaInfo, RetainedBlocks, Role, TurnRecords
 
 logger = logging.getLogger("ray.serve")
 
@@ -25,18 +26,16 @@ EXPIRE_EVERY_S = 1.0
 
 @serve.deployment(num_replicas=1)
 class KVIndexServer:
-    """Every method is async: they all run on the replica's event loop, one at a time, beside the
-    KV-event feeds, so the index needs no lock (sync methods would run in a thread pool)."""
+    """Every method is async: they all run on the replica's event loop, one at a time, so the index
+    needs no lock (sync methods would run in a thread pool)."""
 
     def __init__(self, config: AppConfig) -> None:
-        if config.kv_events:
-            kv_events.preload()
         self.config = config
         self.started = time.monotonic()
-        self.index = KVIndex(block_size=config.block_size, hash_seed=config.prefix_hash_seed)
+        self.index = KVIndex(block_size=config.block_size, hash_seed=config.prefix_hash_seed,
+                             hash_algo=config.prefix_hash_algo)
         self.conversations = ConversationStore(ttl_s=config.conversation_ttl_s, max_records=config.max_conversations)
         self._expiry_task = asyncio.get_event_loop().create_task(self._expire_forever())
-        self._subscriptions: dict[str, asyncio.Task] = {}
         self._size = metrics.Gauge("kv_loop_index_size", "KV index entries by kind.", tag_keys=("entries",))
         self.events_applied = 0
 
@@ -46,26 +45,21 @@ class KVIndexServer:
             self.index.expire()
             for replica_id in self.index.expire_replicas(self.config.limits.registration_ttl_s):
                 logger.warning("replica %s stopped renewing its registration: forgotten", replica_id)
-                if task := self._subscriptions.pop(replica_id, None):
-                    task.cancel()
             for name, value in {**self.index.stats(), "conversations": len(self.conversations)}.items():
                 self._size.set(value, {"entries": name})
 
     async def register(self, info: ReplicaInfo) -> None:
         """A replica's start and each of its heartbeats."""
-        if self.index.register(info) and info.events_endpoint:
-            self._subscriptions[info.replica_id] = asyncio.get_event_loop().create_task(
-                self._follow_events(info.replica_id, info.events_endpoint))
+        self.index.register(info)
 
-    async def _follow_events(self, replica_id: str, endpoint: str) -> None:
-        try:
-            async for batch in kv_events.subscribe(endpoint):
-                kv_events.apply(self.index, replica_id, batch)
-                self.events_applied += len(batch.events)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001 - a lost feed only makes the index staler, never wrong
-            logger.exception("KV event feed of replica %s stopped", replica_id)
+    async def apply_kv_events(self, events: KVEvents) -> None:
+        """A prefill replica's KV cache events, in its engine's order (app/kv_events.py). Ignored from
+        a replica the index does not know: one forgotten when its heartbeats stopped (its blocks went
+        with it) or not registered again yet after the index restarted; its next registration starts
+        its blocks afresh, and what the index missed meanwhile costs reuse only."""
+        if events.replica_id in self.index.replicas:
+            kv_events.apply(self.index, events)
+            self.events_applied += len(events.events)
 
     async def membership(self) -> Membership:
         prefill, decode = self.index.replica_ids(Role.PREFILL), self.index.replica_ids(Role.DECODE)

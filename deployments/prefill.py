@@ -69,8 +69,8 @@ def engine_settings(request: PrefillRequest, block_size: int) -> SamplingSetting
     so that block must exist on prefill, and only sampling a second token writes it."""
     if request.first_token is None:
         return PROBE
-    tokens = 2 if len(request.prompt_token_ids) % block_size == 0 else 1
-    return replace(request.first_token, max_tokens=min(request.first_token.max_tokens, tokens))
+    tokens = min(request.first_token.max_tokens, 2 if len(request.prompt_token_ids) % block_size == 0 else 1)
+    return replace(request.first_token, max_tokens=tokens, min_tokens=min(request.first_token.min_tokens, tokens))
 
 
 def first_chunk(deltas: list[Any], turn_max_tokens: int) -> ReplyChunk | None:

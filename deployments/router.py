@@ -86,9 +86,10 @@ class Router:
         block metadata, which stays here)."""
         received, body = time.perf_counter(), request.body
         tenant = cache_scope(request.authorization, body.user, self.keys, self.config.per_user_salt_tenants)
+        self.request_check.check_fields(body)
         sampling = body.sampling(DEFAULT_MAX_TOKENS)
         await self._in_render_thread(self.request_check.check, sampling)  # before any engine sees it
-        rendered = await self._rendered(body, tenant, request.session_id) if isinstance(
+        rendered = await self._rendered(body, tenant, body.session_id or request.session_id) if isinstance(
             body, ChatCompletionRequest) else None
         if request.resume is not None:  # the reply continues what the client already has
             prompt_ids = list(request.resume.prompt_token_ids)
@@ -119,8 +120,8 @@ class Router:
         sent = resume.sent_token_ids if resume else ()
         chat = rendered is not None
         return Turn(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                    prompt_token_ids=(*prompt_ids, *sent), cache_salt=cache_salt(tenant),
-                    sampling=replace(sampling, max_tokens=sampling.max_tokens - len(sent)),
+                    prompt_token_ids=(*prompt_ids, *sent), cache_salt=cache_salt(tenant, self.config.salt_secret),
+                    sampling=sampling.after(len(sent)),
                     reverse_pull=self.config.reverse_pull and body.reverse_pull is not False,
                     rendering=rendered.diagnostics if rendered else None,
                     routing_policy=body.routing_policy or self.config.routing_policy,

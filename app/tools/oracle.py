@@ -2,6 +2,7 @@
 through the disaggregated pipeline must produce its token ids (tests, benchmarks.faults)."""
 
 import os
+from typing import Any
 
 import ray
 
@@ -15,13 +16,16 @@ class ReferenceEngine:
         self.llm = LLM(model=model_path, dtype="float32", block_size=block_size, max_model_len=max_model_len,
                        enforce_eager=True, enable_prefix_caching=True)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, regex: str | None = None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_tokens: int, regex: str | None = None,
+                 sampling: dict[str, Any] | None = None) -> list[list[int]]:
+        """Greedy; `sampling`: more SamplingParams arguments (vLLM's names), ignore_eos among them."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import StructuredOutputsParams
 
         structured = StructuredOutputsParams(regex=regex) if regex else None
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=regex is None,
-                                structured_outputs=structured)
+        params = SamplingParams.from_optional(**{"max_tokens": max_tokens, "temperature": 0.0,
+                                                 "ignore_eos": regex is None, "structured_outputs": structured,
+                                                 **(sampling or {})})
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 

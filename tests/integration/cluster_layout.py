@@ -205,7 +205,8 @@ def isolate_ray() -> Path:
     """This process's Ray apart from any other on the machine: a temp dir of its own (where Ray
     records "the latest cluster", which a bare ray.init() elsewhere would otherwise join) and no
     inherited address. Serve's HAProxy ingress, as cluster.yaml starts Ray, with free stats and
-    metrics ports (fixed by default; another Serve may be running here)."""
+    metrics ports (fixed by default; another Serve may be running here). The app's secrets in the
+    variable serve.yaml names, set before any node starts, as cluster.yaml sets it on every node."""
     from app.launch import HAPROXY_ENV
     from app.ports import free_port
 
@@ -213,7 +214,9 @@ def isolate_ray() -> Path:
     os.environ.pop("RAY_ADDRESS", None)
     os.environ.update({"RAY_TMPDIR": str(ray_tmp), HAPROXY_ENV: "1",
                        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port("127.0.0.1")),
-                       "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port("127.0.0.1"))})
+                       "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port("127.0.0.1")),
+                       yaml.safe_load((ROOT / "serve.yaml").read_text())["applications"][0]["args"]["secrets_env"]:
+                           json.dumps({"api_keys": {"unused": "default"}, "admin_api_keys": ["unused"]})})
     return ray_tmp
 
 

@@ -41,7 +41,7 @@ def app_config(tmp_path_factory):
     return load_config({"model_cache_dir": str(tmp_path_factory.mktemp("models")),
                         "prefill.prefix_caching": "false", "max_model_len": "4096",
                         "api_keys": '{"unused": "default", "key-a": "tenant-a", "key-b": "tenant-b"}',
-                        "admin_api_keys": "unused",
+                        "admin_api_keys": "unused", "salt_secret": "test-salt-secret",
                         # Each test checks one path; load-aware placement, which picks the path from
                         # the machine's load, has its own tests (per request: load_aware_placement).
                         "placement.load_aware": "false"})

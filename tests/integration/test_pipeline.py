@@ -150,7 +150,7 @@ def test_client_supplied_transfer_params_change_nothing(client, http, conversati
     assert record.output_ids == ray.get(reference.generate.remote([record.prompt_ids], MAX_TOKENS))[0]
 
 
-def _plant_retained(prompt_ids: list[int], port: int, expires_in_s: float) -> None:
+def _plant_retained(prompt_ids: list[int], port: int, expires_in_s: float, salt_secret: str) -> None:
     """Put a retained sequence in the index that covers the prompt but cannot be read: it names the
     live decode replica, with blocks at an engine endpoint where nothing listens."""
     from app.tools.faults import engine_status
@@ -162,7 +162,7 @@ def _plant_retained(prompt_ids: list[int], port: int, expires_in_s: float) -> No
                         engine_expiry=time.perf_counter() + expires_in_s)
     retained = RetainedBlocks(replica_id=engine_status("decode").replica_id, handoff=handoff,
                               token_ids=tuple(prompt_ids), num_prompt_tokens=len(prompt_ids))
-    salt = cache_salt("default")
+    salt = cache_salt("default", salt_secret)
     serve.get_deployment_handle("KVIndexServer", APP_NAME).record_turn.remote(TurnRecords(salt, retained)).result()
 
 
@@ -175,7 +175,8 @@ def _plant_for(messages: list[dict], app_config, expires_in_s: float) -> None:
     from app.ports import free_port
 
     renderer = PromptRenderer(app_config.model_path(), app_config.max_model_len)
-    _plant_retained(renderer.chat(messages, {}) + [7] * 64, free_port("127.0.0.1"), expires_in_s)
+    _plant_retained(renderer.chat(messages, {}) + [7] * 64, free_port("127.0.0.1"), expires_in_s,
+                    app_config.salt_secret)
 
 
 @pytest.mark.parametrize("expires_in_s, reason", [(60.0, "pull_failed"), (1.0, "expires_too_soon")])
@@ -234,10 +235,10 @@ def test_a_decode_that_starts_reading_late_still_finds_prefill_s_blocks(referenc
     prompt = tuple(11 + (5 * i) % 887 for i in range(10 * app_config.block_size + 7))  # inside the vocabulary
     greedy = SamplingSettings(max_tokens=8, temperature=0.0, ignore_eos=True)
     prefill = serve.get_deployment_handle("prefill", APP_NAME)
-    result = prefill.prefill.remote(PrefillRequest("late-p", prompt, cache_salt("default"), "")).result()
+    result = prefill.prefill.remote(PrefillRequest("late-p", prompt, "late-salt", "")).result()
     time.sleep(35)
     decode = serve.get_deployment_handle("decode", APP_NAME).options(stream=True)
-    request = DecodeRequest("late-d", prompt, cache_salt("default"), greedy, handoff=result.handoff, retain=False)
+    request = DecodeRequest("late-d", prompt, "late-salt", greedy, handoff=result.handoff, retain=False)
     tokens = [t for chunk in decode.generate.remote(request) for t in chunk.token_ids]
     assert tokens == ray.get(reference.generate.remote([list(prompt)], 8))[0]
 

@@ -45,7 +45,7 @@ def test_limits_below_what_the_engines_run_fail_naming_the_keys(tmp_path):
 
 
 def test_an_engine_bigger_than_a_worker_group_s_node_fails_naming_the_keys(tmp_path):
-    service = yaml.safe_load((ROOT / "kuberay.yaml").read_text())
+    service = next(d for d in yaml.safe_load_all((ROOT / "kuberay.yaml").read_text()) if d["kind"] == "RayService")
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
     serve_config["applications"][0]["args"]["pipeline_parallel_size"] = 2  # 16 GPUs an engine, 8 a pod
     service["spec"]["serveConfigV2"] = yaml.safe_dump(serve_config)

@@ -29,6 +29,8 @@ REFUSED = {  # what the body adds to a valid chat request: (status, words the er
                                          "chat_template"),
     "unknown chat_template_kwargs name": ({"chat_template_kwargs": {"no_such_variable": True}}, 400,
                                           "no_such_variable"),
+    "17 stop strings": ({"stop": [f"s{n}" for n in range(17)]}, 400, "stop"),
+    "a 300-character stop string": ({"stop": ["x" * 300]}, 400, "stop"),
 }
 
 
@@ -55,6 +57,8 @@ def test_refused_requests_cost_the_other_tenants_nothing(client, http, base_url,
               for extra, status, words in REFUSED.values() for _ in range(BURST)]
     filler = "x" * (app_config.limits.max_request_bytes - 1024)  # read whole, it would fit the size cap
     bodies += [({"messages": [{"role": "user", "content": filler}]}, "wrong-key", 401, "API key")] * BURST
+    # With a valid key the whole body reaches the router (over Serve's replica gRPC), which refuses it untokenized.
+    bodies += [({"messages": [{"role": "user", "content": filler}]}, "unused", 400, "context length")] * 2
     with ThreadPoolExecutor(max_workers=8) as pool:
         answers = list(pool.map(lambda b: _send(base_url, b[0], b[1]), bodies))
     for (_, _, status, words), response in zip(bodies, answers):

@@ -22,6 +22,10 @@ GPU_NODE_TYPES = ("prefill_gpu", "decode_gpu")
 # Options that only make sense where the EFA devices and GPUs are; `docker run` on the CPU head fails on a device
 # it does not have.
 GPU_ONLY_DOCKER_OPTIONS = re.compile(r"--device|--gpus|/dev/infiniband|IPC_LOCK|--privileged")
+VENV_AWS = f"{PROJECT}/.venv/bin/aws"
+# AWS Secrets Manager secrets every node reads when Ray starts: Ray's token, and the app's secrets (serve.yaml's
+# secrets_env names the variable).
+RAY_TOKEN_SECRET, APP_SECRETS_SECRET, SECRETS_ENV = "kv-loop/ray-token", "kv-loop/secrets", "KV_LOOP_SECRETS"
 
 
 def _config() -> dict:
@@ -108,12 +112,15 @@ def test_the_cpu_head_gets_no_device_options_and_the_gpu_nodes_get_efa():
 
 
 def _ray_invocations(commands: list[str]) -> list[tuple[dict, list[str]]]:
-    """(environment, argv) of each command; every one of them calls ray."""
+    """(environment, argv) of each call of ray in the commands (a command may chain others before it with &&)."""
     calls = []
     for command in commands:
         words = shlex.split(command)
+        while "&&" in words:
+            words = words[words.index("&&") + 1:]
         env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
-        calls.append((env, words[len(env):]))
+        if words[len(env)].endswith("/ray"):
+            calls.append((env, words[len(env):]))
     return calls
 
 
@@ -125,7 +132,7 @@ def test_every_start_command_runs_the_venvs_ray():
     config = _config()
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         calls = _ray_invocations(config[key])
-        assert [argv[0] for _, argv in calls] == [VENV_RAY] * len(calls), key
+        assert [argv[0] for _, argv in calls] == [VENV_RAY] * len(calls) and len(calls) == 2, key
         ((env, argv),) = [(env, argv) for env, argv in calls if argv[1] == "start"]
         assert env == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}, key
         params = start.make_context("ray start", argv[2:]).params
@@ -133,6 +140,100 @@ def test_every_start_command_runs_the_venvs_ray():
             assert params["head"] and params["dashboard_host"] == "127.0.0.1" and params["autoscaling_config"]
         else:
             assert params["address"] == "$RAY_HEAD_IP:6379"
+
+
+def test_ray_token_authentication_is_on_in_every_container():
+    """RAY_AUTH_MODE in the container's environment reaches `ray start` and also the shells of `ray exec`, whose
+    `serve deploy` and preflight must send the token too; Ray turns it on only with the variable set."""
+    config = _config()
+    for as_head, node_type in [(True, config["head_node_type"]), *[(False, t) for t in GPU_NODE_TYPES]]:
+        run = _docker_run(as_head=as_head, node_type=node_type)
+        assert "--env=RAY_AUTH_MODE=token" in run, node_type
+    # The token is a file (the start commands write it), never a value on a command line.
+    assert "RAY_AUTH_TOKEN" not in " ".join(config["head_start_ray_commands"] + config["worker_start_ray_commands"])
+
+
+FAKE_AWS = """#!/bin/bash
+# Answers only the call the start commands make (a secret's value, from $SECRET_<id>).
+expected="secretsmanager get-secret-value --region --secret-id --query SecretString --output text"
+[ "$1 $2 $3 $5 $7 $8 $9 ${10}" = "$expected" ] && [ "$4" = "$REGION" ] || { echo "unexpected: aws $*" >&2; exit 2; }
+[ "$6" = "$FAIL" ] && { echo "AccessDenied: $6" >&2; exit 254; }
+printf '%s\\n' "$(printenv "SECRET_${6//[^a-z]/_}")"
+"""
+FAKE_RAY = """#!/bin/bash
+echo "$* | ${KV_LOOP_SECRETS+set} | ${KV_LOOP_SECRETS} | ${RAY_SERVE_ENABLE_HA_PROXY}" >> "$HOME/ray-calls"
+"""
+APP_SECRETS = {"api_keys": {"k": "t"}, "salt_secret": "with spaces and 'quotes'"}
+
+
+def _run_start_commands(tmp_path: Path, key: str, fail: str = "") -> tuple[subprocess.CompletedProcess, Path]:
+    """Run a node type's start commands as Ray does (each in its `bash --login -i` wrapper, under one more shell, as
+    `docker exec` runs it; the first that fails stops the node), with stand-ins for the venv's aws, which prints the
+    secret (or fails for the secret id `fail`), and ray, which records its argv and the environment the app reads."""
+    from ray.autoscaler._private.command_runner import _with_interactive
+
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    for directory in (home, bin_dir):
+        directory.mkdir(exist_ok=True)
+    (home / ".bashrc").write_text("")
+    for name, script in (("aws", FAKE_AWS), ("ray", FAKE_RAY)):
+        (bin_dir / name).write_text(script)
+        (bin_dir / name).chmod(0o755)
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "RAY_HEAD_IP": "10.0.0.1", "FAIL": fail,
+           "REGION": _config()["provider"]["region"], "SECRET_kv_loop_ray_token": "the-ray-token",
+           "SECRET_kv_loop_secrets": json.dumps(APP_SECRETS)}
+    result = None
+    for command in _config()[key]:
+        command = command.replace(f"{PROJECT}/.venv/bin/", f"{bin_dir}/")
+        result = subprocess.run(" ".join(_with_interactive(command)), shell=True, executable="/bin/bash",
+                                capture_output=True, text=True, timeout=30, env=env)
+        if result.returncode:
+            break
+    return result, home
+
+
+@pytest.mark.parametrize("key", ["head_start_ray_commands", "worker_start_ray_commands"])
+def test_every_node_reads_the_token_and_the_apps_secrets_before_ray_starts(tmp_path, key):
+    """Serve builds the app in a task on any node: the variable must be in the environment of every node's `ray start`,
+    which all its Ray processes inherit. Ray reads the token from ~/.ray/auth_token, readable by its owner only."""
+    result, home = _run_start_commands(tmp_path, key)
+    assert result.returncode == 0, result.stderr
+    token = home / ".ray" / "auth_token"
+    assert token.read_text().strip() == "the-ray-token" and token.stat().st_mode & 0o077 == 0
+    stop, start = (home / "ray-calls").read_text().splitlines()
+    assert stop.startswith("stop |")
+    argv, is_set, value, haproxy = start.split(" | ")
+    assert argv.startswith("start ") and is_set == "set" and haproxy == "1"
+    assert json.loads(value) == APP_SECRETS
+    serve = yaml.safe_load((ROOT / "serve.yaml").read_text())
+    assert {app["args"]["secrets_env"] for app in serve["applications"]} == {SECRETS_ENV}
+
+
+@pytest.mark.parametrize("secret", [RAY_TOKEN_SECRET, APP_SECRETS_SECRET])
+def test_a_node_whose_secret_cannot_be_read_does_not_start_ray(tmp_path, secret):
+    result, home = _run_start_commands(tmp_path, "worker_start_ray_commands", fail=secret)
+    assert result.returncode != 0 and "AccessDenied" in result.stderr
+    assert [call.split(" | ")[0] for call in (home / "ray-calls").read_text().splitlines()] == ["stop"]
+
+
+def test_ray_creates_no_security_group_and_no_instance_profile_of_its_own():
+    """Ray's AWS bootstrap creates a group for each node type without SecurityGroupIds (NetworkInterfaces' Groups are
+    copied into it first), admitting SSH from 0.0.0.0/0; and, for a head without IamInstanceProfile, a role with
+    S3 and EC2 full access. Here every node type names the one group docs/gpu.md has you create, and the head its
+    own profile."""
+    config = _config()
+    groups = set()
+    for name, node_type in config["available_node_types"].items():
+        node = node_type["node_config"]
+        per_node = [node["SecurityGroupIds"]] if "SecurityGroupIds" in node else [
+            interface["Groups"] for interface in node["NetworkInterfaces"]]
+        assert per_node and all(per_node), name
+        groups.update(group for ids in per_node for group in ids)
+        assert "IamInstanceProfile" in node, name
+    assert len(groups) == 1 and "security_group" not in config["provider"]
+    docs = (ROOT / "docs" / "gpu.md").read_text()
+    assert "kv-loop-head" in docs and "secretsmanager:GetSecretValue" in docs
+    assert f"--name {RAY_TOKEN_SECRET}" in docs and f"--name {APP_SECRETS_SECRET}" in docs
 
 
 def test_the_image_is_not_shadowed_or_reinstalled_at_boot():
@@ -174,7 +275,7 @@ def test_each_gpu_node_attaches_one_efa_per_network_card_as_many_as_kuberay_requ
         assert [i["NetworkCardIndex"] for i in interfaces] == list(range(P5EN_EFA_INTERFACES))
         assert [(i["DeviceIndex"], i["InterfaceType"]) for i in interfaces] == (
             [(0, "efa")] + [(1, "efa-only")] * (P5EN_EFA_INTERFACES - 1))
-    service = yaml.safe_load((ROOT / "kuberay.yaml").read_text())
+    service = _kuberay_service()
     for group in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert int(limits["vpc.amazonaws.com/efa"]) == P5EN_EFA_INTERFACES, group["groupName"]
@@ -207,9 +308,13 @@ def _runs() -> list[str]:
     return [args for keyword, args in _dockerfile() if keyword == "RUN"]
 
 
+def _kuberay_service() -> dict:
+    (service,) = [d for d in yaml.safe_load_all((ROOT / "kuberay.yaml").read_text()) if d and d["kind"] == "RayService"]
+    return service
+
+
 def _kuberay_image() -> str:
-    service = yaml.safe_load((ROOT / "kuberay.yaml").read_text())
-    cluster = service["spec"]["rayClusterConfig"]
+    cluster = _kuberay_service()["spec"]["rayClusterConfig"]
     groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
     (image,) = {group["template"]["spec"]["containers"][0]["image"] for group in groups}
     return image
@@ -222,7 +327,7 @@ def test_the_image_is_rays_of_the_version_pyproject_and_kuberay_pin():
     match = re.fullmatch(r"rayproject/ray:(\d+\.\d+\.\d+)-py(\d)(\d+)-cu\d+", base)
     assert match, base
     version = match.group(1)
-    service = yaml.safe_load((ROOT / "kuberay.yaml").read_text())
+    service = _kuberay_service()
     assert service["spec"]["rayClusterConfig"]["rayVersion"] == version
     pyproject = (ROOT / "pyproject.toml").read_text()
     (ray,) = [Requirement(r) for r in re.findall(r'"(ray\[serve\][^"]*)"', pyproject)]
@@ -244,6 +349,8 @@ def test_the_image_installs_efa_for_a_container_and_the_project_in_its_venv():
     assert env["PATH"].split(":")[0] == f"{PROJECT}/.venv/bin"
     assert "/opt/amazon/efa/lib" in env["LD_LIBRARY_PATH"].split(":")
     assert [run for run in runs if re.match(r"\./install\.sh gpu\b", run)]
+    # The AWS CLI cluster.yaml's start commands read the secrets with, in the venv (Ray's image has none).
+    assert [run for run in runs if re.search(r"\.venv/bin/pip install [^&]*\bawscli\b", run)]
     assert any(f"export PATH={PROJECT}/.venv/bin:$PATH" in run and ".bashrc" in run for run in runs)
     # The build ends by proving it: the check script must pass in the finished image.
     assert _dockerfile()[-1] == ("RUN", "kv-loop-check-image")

@@ -51,10 +51,21 @@ def test_with_no_decode_left_the_reply_continues_on_prefill():
     assert chunks[-1].finish_reason == "length"
 
 
-def test_a_grammar_turn_is_not_moved():
+@pytest.mark.parametrize("sampling", [{"regex": "[0-9 ]+"}, {"presence_penalty": 0.5}, {"bad_words": ("x",)}])
+def test_a_turn_whose_sampling_reads_the_reply_is_not_moved(sampling):
+    """A grammar's state, or penalties over generated tokens: another engine would read the sent
+    tokens as prompt."""
     loop = turn_loop(PREFILLED, DecodeGroup(REPLY, fails_after=1), members=Membership(("p0",), ("d0", "d1")))
     with pytest.raises(RuntimeError, match="engine died"):
-        asyncio.run(run_turn(loop, _turn(regex="[0-9 ]+")))
+        asyncio.run(run_turn(loop, _turn(**sampling)))
+
+
+def test_a_moved_reply_still_counts_min_tokens_over_the_whole_reply():
+    decode = DecodeGroup(REPLY, fails_after=2)
+    loop = turn_loop(PREFILLED, decode, members=Membership(("p0",), ("d0", "d1")))
+    asyncio.run(run_turn(loop, _turn(max_tokens=30, min_tokens=20)))
+    first, moved = decode.generate.calls
+    assert (first.sampling.min_tokens, moved.sampling.min_tokens) == (19, 17)
 
 
 def _refusing(exc: Exception) -> Remote:

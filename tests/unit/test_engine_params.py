@@ -31,7 +31,7 @@ def test_prefill_params_make_decode_read():
     assert "remote_blocks_expiry_time" not in params
 
 
-def test_kv_events_and_the_nixl_side_channel_bind_the_node_s_address_only():
+def test_kv_events_stay_on_the_node_and_the_nixl_side_channel_binds_the_node_s_address_only():
     from app.config import AppConfig
     from app.engine import assign_identity, engine_args, engine_env
 
@@ -39,8 +39,10 @@ def test_kv_events_and_the_nixl_side_channel_bind_the_node_s_address_only():
     identity = assign_identity(config, Role.PREFILL, 0, "127.0.0.1")
     assert engine_env(config, config.prefill, identity)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
     args = engine_args(config, config.prefill, identity)
+    assert args.kv_events_config.endpoint == identity.engine_events_endpoint
     assert args.kv_events_config.endpoint.startswith("ipc://"), "vLLM publishes on the node only"
-    assert identity.events_endpoint == f"tcp://127.0.0.1:{identity.events_port}", "forwarded on the node's address"
+    assert not args.kv_events_config.replay_endpoint, "and binds nothing else"
+    assert not hasattr(identity, "events_endpoint"), "the events carry token ids: nothing republishes them"
     assert args.kv_transfer_config.kv_connector_extra_config["kv_lease_duration"] == config.handoff_lease_s
     decode = engine_args(config, config.decode, assign_identity(config, Role.DECODE, 0, "127.0.0.1"))
     assert decode.kv_transfer_config.kv_connector_extra_config["kv_lease_duration"] == int(config.retention_ttl_s)

@@ -43,6 +43,19 @@ def test_the_first_token_comes_from_prefill_and_decode_continues_after_it():
     assert prepared.log_entry["first_token_from"] == "prefill" and "ttft_ms" in prepared.log_entry
 
 
+def test_min_tokens_counts_the_whole_reply_across_prefill_and_decode():
+    first = ReplyChunk(token_ids=(7,), text=" a")
+    loop, decode = _loop(_result(first), [ReplyChunk(token_ids=(8, 9), text=" b c", finish_reason="length")])
+    sampling = SamplingSettings(max_tokens=30, min_tokens=20, temperature=0.0, stop_token_ids=(8,),
+                                repetition_penalty=1.3)
+    _serve(loop, sampling)
+    assert loop.groups[Role.PREFILL].prefill.calls[0].first_token == sampling, "repetition_penalty reads prompt too"
+    continued = decode.generate.calls[0].sampling
+    assert (continued.max_tokens, continued.min_tokens) == (29, 19)
+    on_prefill = engine_settings(loop.groups[Role.PREFILL].prefill.calls[0], BLOCK)
+    assert (on_prefill.max_tokens, on_prefill.min_tokens) == (2, 2), "vLLM refuses min_tokens above max_tokens"
+
+
 @pytest.mark.parametrize("prompt_len, max_tokens", [(BLOCK - 1, 1), (BLOCK, 2), (BLOCK + 1, 1)])
 def test_prefill_samples_a_second_token_only_when_the_prompt_fills_its_last_block(prompt_len, max_tokens):
     request = PrefillRequest("r", tuple(range(prompt_len)), "salt", "p0", first_token=SamplingSettings(max_tokens=8))
@@ -63,9 +76,13 @@ def test_a_turn_that_ends_with_its_first_token_frees_prefill_blocks_without_deco
 @pytest.mark.parametrize("sampling, config", [
     (SamplingSettings(stop=("\n",)), {}),
     (SamplingSettings(regex="[a-z]+"), {}),
+    (SamplingSettings(presence_penalty=0.5), {}),
+    (SamplingSettings(frequency_penalty=0.5), {}),
+    (SamplingSettings(bad_words=("router",)), {}),
     (SamplingSettings(), {"first_token_from_prefill": False}),
 ])
 def test_stop_strings_grammars_or_the_switch_leave_the_first_token_to_decode(sampling, config):
+    """And penalties over generated tokens and bad words: decode would read prefill's token as prompt."""
     loop, decode = _loop(_result(None), [ReplyChunk(token_ids=(8,), text=" b", finish_reason="length")], **config)
     chunks, prepared = _serve(loop, sampling)
     assert loop.groups[Role.PREFILL].prefill.calls[0].first_token is None

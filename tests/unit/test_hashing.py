@@ -1,3 +1,5 @@
+import pytest
+
 from app.hashing import block_hashes, common_prefix_len
 
 
@@ -30,20 +32,22 @@ def test_common_prefix_len():
 def test_tenants_get_distinct_stable_salts():
     from app.tenants import cache_salt
 
-    assert cache_salt("a") == cache_salt("a") != cache_salt("b")
+    assert cache_salt("a", "secret") == cache_salt("a", "secret") != cache_salt("b", "secret")
+    assert cache_salt("a", "secret") != cache_salt("a", "another secret")  # unknowable without the server's
 
 
-def test_parity_with_vllms_own_block_hashes(monkeypatch, tmp_path):
+@pytest.mark.parametrize("algo", ["xxhash_cbor", "sha256_cbor"])
+def test_parity_with_vllms_own_block_hashes(monkeypatch, tmp_path, algo):
     """Same algorithm, same seed, same salt handling as the engines' prefix cache."""
     from transformers import AutoTokenizer
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
-    from app.hashing import DEFAULT_HASH_SEED, HASH_ALGO
+    from app.hashing import DEFAULT_HASH_SEED
     from app.model.tiny import corpus_lines, ensure_tiny_model
 
     monkeypatch.setenv("PYTHONHASHSEED", str(DEFAULT_HASH_SEED))
-    hash_fn = get_hash_fn_by_name(HASH_ALGO)
+    hash_fn = get_hash_fn_by_name(algo)
     kv_cache_utils.init_none_hash(hash_fn)
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model(tmp_path))
     tokens = tokenizer.encode(" ".join(corpus_lines()))
@@ -54,7 +58,7 @@ def test_parity_with_vllms_own_block_hashes(monkeypatch, tmp_path):
             extra = (("cache_salt", salt),) if start == 0 and salt else None
             parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, tokens[start:start + 32], extra)
             expected.append(bytes(parent))
-        assert block_hashes(tokens, 32, salt or "") == expected
+        assert block_hashes(tokens, 32, salt or "", DEFAULT_HASH_SEED, algo) == expected
 
 
 def test_per_user_salting_is_opt_in_per_tenant():

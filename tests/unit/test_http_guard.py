@@ -20,6 +20,7 @@ def _client(keys: KeyRing = OPEN_API, docs: bool = False) -> tuple[TestClient, l
     if docs:
         serve_docs(app)
     app.state.max_request_bytes, app.state.keys, app.state.open_paths = 100, keys, open_paths(app)
+    app.state.write_timeout_s = 5.0
 
     @app.post("/echo")
     async def echo(request: Request):
@@ -79,3 +80,45 @@ def test_the_api_docs_are_off_unless_asked_for_and_then_need_no_key():
     served, _ = _client(keys, docs=True)
     assert [served.get(p).status_code for p in ("/docs", "/redoc", "/openapi.json")] == [200] * 3
     assert "/echo" in served.get("/openapi.json").json()["paths"]
+
+
+def test_a_client_that_stops_reading_ends_its_stream_and_the_stream_cleans_up(caplog):
+    import asyncio
+
+    from fastapi.responses import StreamingResponse
+
+    app, cleaned = FastAPI(docs_url=None, redoc_url=None, openapi_url=None), []
+    app.add_middleware(HttpGuard)
+    app.state.max_request_bytes, app.state.keys, app.state.open_paths = 100, OPEN_API, open_paths(app)
+    app.state.write_timeout_s = 0.2
+
+    @app.get("/stream")
+    async def stream():
+        async def chunks():
+            try:
+                for n in range(1000):
+                    yield f"data: {n}\n\n"
+            finally:
+                cleaned.append(True)  # the frontend releases the admission place and engine slots here
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    async def client_that_stops_reading() -> list[str]:
+        sent, stalled = [], asyncio.Event()
+
+        async def receive():
+            await stalled.wait()  # never disconnects: it only stops reading
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message["type"])
+            if len([m for m in sent if m == "http.response.body"]) == 3:
+                await asyncio.sleep(3600)  # the client's window is full
+
+        scope = {"type": "http", "method": "GET", "path": "/stream", "headers": [], "query_string": b"",
+                 "app": app, "root_path": "", "scheme": "http", "server": ("t", 80), "client": ("c", 1)}
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        return sent
+
+    sent = asyncio.run(client_that_stops_reading())
+    assert sent.count("http.response.body") == 3 and cleaned == [True]
+    assert "the client took nothing" in caplog.text and "request failed" not in caplog.text

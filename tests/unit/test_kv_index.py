@@ -74,16 +74,20 @@ def test_index_follows_a_recorded_engine_event_stream():
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
     from app import kv_events
+    from app.protocol import KVEvents
+
+    def apply(batch):
+        kv_events.apply(index, KVEvents("p0", kv_events.reduce(batch)))
 
     index = _index()
     hashes = block_hashes(list(range(128)), BLOCK, "t")
     stored = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=list(range(128)), block_size=BLOCK,
                          lora_id=None, medium="GPU", lora_name=None)
-    kv_events.apply(index, "p0", KVEventBatch(ts=0.0, events=[stored]))
+    apply(KVEventBatch(ts=0.0, events=[stored]))
     assert index.lookup(hashes, now=NOW).prefill_cached_tokens["p0"] == 128
-    kv_events.apply(index, "p0", KVEventBatch(ts=1.0, events=[BlockRemoved(block_hashes=hashes[2:], medium="GPU")]))
+    apply(KVEventBatch(ts=1.0, events=[BlockRemoved(block_hashes=hashes[2:], medium="GPU")]))
     assert index.lookup(hashes, now=NOW).prefill_cached_tokens["p0"] == 64, "an LRU eviction shortens the hit"
-    kv_events.apply(index, "p0", KVEventBatch(ts=2.0, events=[AllBlocksCleared()]))
+    apply(KVEventBatch(ts=2.0, events=[AllBlocksCleared()]))
     assert index.lookup(hashes, now=NOW).prefill_cached_tokens["p0"] == 0
 
 

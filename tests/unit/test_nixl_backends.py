@@ -100,7 +100,7 @@ def test_the_replica_stops_before_its_engine_or_builds_it_with_the_backends_that
     assert built == [("UCX",)]
 
 
-def test_health_lists_each_live_engine_s_backends():
+def test_health_lists_the_backends_each_group_s_live_engines_loaded():
     from deployments.router import Router
 
     engines = LiveEngines(suspect_s=5.0)
@@ -112,7 +112,7 @@ def test_health_lists_each_live_engine_s_backends():
     router.loop = SimpleNamespace(engines=engines)
     assert asyncio.run(router.health()) == {
         "status": "ok", "live_engines": {"prefill": 1, "decode": 1},
-        "nixl_backends": {"prefill": {"p0": ["LIBFABRIC"]}, "decode": {"d0": ["UCX"]}}}
+        "nixl_backends": {"prefill": ["LIBFABRIC"], "decode": ["UCX"]}}
 
 
 def test_the_engine_s_load_carries_its_backends_in_every_heartbeat():

@@ -1,5 +1,6 @@
 import pytest
 from pydantic import ValidationError
+from vllm import SamplingParams
 
 from app.openai_api import ChatCompletionRequest
 
@@ -25,19 +26,64 @@ def test_sampling_settings_from_the_request():
     assert request.include_usage is False
 
 
-@pytest.mark.parametrize("extra, named", [
-    ({"n": 2}, "n"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"logprobs": True}, "logprobs"), ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"chat_template": "{{ messages }}"}, "chat_template"), ({"presence_penalty": 0.5}, "presence_penalty"),
+def test_vllm_s_sampling_fields_reach_the_engine_s_sampling_params():
+    from app.engine import sampling_params
+
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=30, min_tokens=20, min_p=0.1,
+                                 presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                                 stop_token_ids=[5, 6], bad_words=["no"], include_stop_str_in_output=True,
+                                 logit_bias={"7": 150.0}, allowed_token_ids=[1, 2, 7], skip_special_tokens=False,
+                                 spaces_between_special_tokens=False)
+    assert body.model_extra == {}, "each is a field of the server's own"
+    params = sampling_params(body.sampling(256), {})
+    assert (params.max_tokens, params.min_tokens, params.min_p) == (30, 20, 0.1)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert (params.stop_token_ids, params.bad_words, params.include_stop_str_in_output) == ([5, 6], ["no"], True)
+    assert params.logit_bias == {7: 100.0}, "vLLM's own conversion: token ids as integers, the bias clamped"
+    assert params.allowed_token_ids == [1, 2, 7]
+    assert (params.skip_special_tokens, params.spaces_between_special_tokens) == (False, False)
+    unset = sampling_params(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).sampling(256), {})
+    default = SamplingParams(max_tokens=256)
+    for name in ("min_tokens", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "stop_token_ids", "bad_words", "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
+                 "skip_special_tokens", "spaces_between_special_tokens"):
+        assert getattr(unset, name) == getattr(default, name), name
+
+
+def test_the_rest_of_a_reply_counts_min_tokens_like_max_tokens():
+    settings = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=30,
+                                     min_tokens=20).sampling(256)
+    assert (settings.after(1).max_tokens, settings.after(1).min_tokens) == (29, 19)
+    assert (settings.after(25).max_tokens, settings.after(25).min_tokens) == (5, 0)
+
+
+@pytest.mark.parametrize("fields, reads", [
+    ({}, False), ({"min_tokens": 3, "repetition_penalty": 1.3, "logit_bias": {"1": 2.0}, "stop_token_ids": [1]}, False),
+    ({"presence_penalty": 0.5}, True), ({"frequency_penalty": 0.1}, True), ({"bad_words": ["x"]}, True),
+    ({"structured_outputs": {"regex": "a+"}}, True), ({"presence_penalty": 0.0}, False),
 ])
-def test_fields_the_server_does_not_implement_are_refused_by_name(extra, named):
+def test_sampling_that_reads_the_reply_so_far_is_known(fields, reads):
+    """Penalties over generated tokens, bad words and grammars must see the whole reply in one
+    engine; repetition_penalty counts prompt and reply alike, so it need not."""
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)
+    assert body.sampling(16).reads_reply is reads
+
+
+def test_fields_the_server_does_not_declare_are_kept_for_the_router_s_check():
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], n=2, some_client_field=1)
+    assert body.model_extra == {"n": 2, "some_client_field": 1}
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ({"structured_outputs": {"regex": "a+", "json": {"type": "object"}}}, "structured_outputs.json"),
+])
+def test_nested_fields_the_server_does_not_implement_are_refused_by_name(extra, named):
     with pytest.raises(ValidationError, match=f"not supported by this server: {named}"):
-        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **extra)
-
-
-def test_no_op_values_of_unimplemented_fields_are_accepted():
-    ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], n=1, tools=[], logprobs=False,
-                          response_format={"type": "text"}, presence_penalty=0)
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True, **extra)
+    ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True,
+                          stream_options={"include_usage": True, "continuous_usage_stats": False})
 
 
 def test_image_parts_are_refused_and_sampling_values_are_left_to_vllm_s_checks():
@@ -57,3 +103,18 @@ def test_a_seed_beyond_int64_is_refused_as_vllm_s_server_refuses_it():
             ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], seed=seed)
     largest = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], seed=2**63 - 1)
     assert largest.sampling(1).seed == 2**63 - 1
+
+
+def test_fields_that_ask_an_engine_for_unbounded_work_are_bounded():
+    from app.config import Limits
+    from app.openai_api import CompletionRequest
+
+    limits = Limits(max_stop_strings=2, max_stop_chars=8, max_regex_bytes=16)
+
+    def problem(**fields):
+        return CompletionRequest(prompt="x", **fields).over_limits(limits)
+
+    assert problem(stop=["a", "b"], structured_outputs={"regex": "[a-z]+"}) is None
+    assert "3 strings" in problem(stop=["a", "b", "c"])
+    assert "9 characters" in problem(stop="x" * 9)
+    assert "17 bytes" in problem(structured_outputs={"regex": "a" * 17})

@@ -36,7 +36,9 @@ def prune(schema: dict, instances: list) -> dict:
 def main(crd_path: str, manifest_path: str, commit: str) -> None:
     crd = yaml.safe_load(Path(crd_path).read_text())
     version = next(v for v in crd["spec"]["versions"] if v["storage"])
-    manifest = yaml.safe_load(Path(manifest_path).read_text())
+    # kuberay.yaml holds more documents than the RayService (its NetworkPolicy).
+    manifest = next(d for d in yaml.safe_load_all(Path(manifest_path).read_text())
+                    if d and d.get("kind") == crd["spec"]["names"]["kind"])
     extract = {"apiVersion": f"{crd['spec']['group']}/{version['name']}", "kind": crd["spec"]["names"]["kind"],
                "schema": prune(version["schema"]["openAPIV3Schema"], [manifest])}
     header = (f"# Extract of the {extract['kind']} CRD's {version['name']} openAPIV3Schema, from\n"

@@ -1,0 +1,73 @@
+"""vLLM's sampling fields through the real app, against one plain vLLM engine given the same prompt
+ids and sampling parameters: min_tokens counts the whole reply when prefill sampled its first
+token, penalties give the plain engine's tokens, and bad values are a 400 naming the field."""
+
+import pytest
+import ray
+
+from app.client import chat_turn
+from tests.integration.conftest import SYSTEM_PROMPT, decisions_by_request
+
+pytestmark = pytest.mark.integration
+MAX_TOKENS = 24
+
+
+def _messages(tag: str) -> list[dict]:
+    return [{"role": "system", "content": f"{tag}. {SYSTEM_PROMPT}"}, {"role": "user", "content": "Hello"}]
+
+
+def _oracle(reference, prompt_ids: list[int], **sampling) -> list[int]:
+    return ray.get(reference.generate.remote([prompt_ids], MAX_TOKENS, None, sampling))[0]
+
+
+def test_min_tokens_holds_off_an_early_stop_token_over_the_whole_reply(client, http, reference):
+    messages = _messages("Min tokens")
+    plain = chat_turn(client, messages, MAX_TOKENS, prefill_on_decode=False)
+    stop = {"ignore_eos": False, "stop_token_ids": [plain.output_ids[1]]}
+    early = chat_turn(client, messages, MAX_TOKENS, prefill_on_decode=False, **stop)
+    assert len(early.output_ids) <= 2, "the stop token ends the reply where it first comes"
+    assert early.output_ids == _oracle(reference, early.prompt_ids, **stop)
+
+    held = chat_turn(client, messages, MAX_TOKENS, prefill_on_decode=False, min_tokens=20, **stop)
+    assert decisions_by_request(http)[held.request_id]["first_token_from"] == "prefill", "the split path"
+    assert len(held.output_ids) >= 20
+    assert held.output_ids == _oracle(reference, held.prompt_ids, min_tokens=20, **stop)
+
+
+def test_penalties_give_the_plain_engine_s_tokens(client, http, reference):
+    """Presence and frequency penalties count generated tokens only: decode samples the whole reply.
+    The repetition penalty counts prompt and reply alike: prefill's first token may stay."""
+    messages = _messages("Penalties")
+    plain = chat_turn(client, messages, MAX_TOKENS, prefill_on_decode=False)
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}
+    penalised = chat_turn(client, messages, MAX_TOKENS, prefill_on_decode=False, **penalties)
+    assert decisions_by_request(http)[penalised.request_id]["first_token_from"] == "decode"
+    assert penalised.output_ids == _oracle(reference, penalised.prompt_ids, **penalties)
+    assert penalised.output_ids != plain.output_ids, "the penalties changed the reply"
+
+    repeated = chat_turn(client, messages, MAX_TOKENS, prefill_on_decode=False, repetition_penalty=1.3)
+    assert decisions_by_request(http)[repeated.request_id]["first_token_from"] == "prefill"
+    assert repeated.output_ids == _oracle(reference, repeated.prompt_ids, repetition_penalty=1.3)
+
+
+def test_per_token_constraints_give_the_plain_engine_s_tokens(client, reference):
+    messages = _messages("Constraints")
+    plain = chat_turn(client, messages, MAX_TOKENS, prefill_on_decode=False)
+    allowed = sorted(set(plain.output_ids[:6]))
+    fields = {"allowed_token_ids": allowed, "logit_bias": {str(allowed[-1]): 5.0}, "min_p": 0.2}
+    constrained = chat_turn(client, messages, MAX_TOKENS, prefill_on_decode=False, stream=False, **fields)
+    assert set(constrained.output_ids) <= set(allowed)
+    assert constrained.output_ids == _oracle(reference, constrained.prompt_ids, **fields)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2]"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens must be less than or equal to max_tokens"),
+    ({"stop_token_ids": [10**7]}, "stop_token_ids"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"use_beam_search": True}, "not supported by this server: use_beam_search (beam search is not implemented)"),
+])
+def test_bad_sampling_fields_are_a_400_naming_the_field(http, fields, words):
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **fields})
+    assert response.status_code == 400
+    assert words in response.json()["error"]["message"]
