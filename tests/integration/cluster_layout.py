@@ -30,6 +30,8 @@ WORKER_CPUS = 1
 """Logical CPUs per worker node: one engine bundle's worth, as serve.yaml sizes them here."""
 MAX_TOKENS = 24
 APP_READY_TIMEOUT_S = 240
+API_KEY = "cluster-test-key"
+"""The one API and admin key of the deployed app, given as serve.yaml gets its keys: `secrets_env`."""
 # Longer than the conftest's: serve.yaml pulls only when that saves 512 tokens or more.
 SYSTEM_PROMPT = "You are a helpful assistant. " + " ".join(
     f"Rule {i}: the router keeps an index of which replica holds which blocks, and until when." for i in range(50))
@@ -144,7 +146,7 @@ def converse(url: str) -> list[dict[str, Any]]:
 
     from tests.integration.conftest import USER_TURNS, run_conversation
 
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    client = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
     turns = run_conversation(client, SYSTEM_PROMPT, USER_TURNS, MAX_TOKENS, prefill_on_decode=False)
     return [{"request_id": t.request_id, "prompt_ids": t.prompt_ids, "output_ids": t.output_ids,
              "cached_tokens": t.cached_tokens, "ttft_s": t.ttft_s} for t in turns]
@@ -192,7 +194,8 @@ def drive(config: dict, app_config, url: str, started: float) -> dict[str, Any]:
     turns = converse(url)
     timings["conversation_s"] = time.monotonic() - started - timings["app_healthy_s"]
     expected = ray.get(reference.generate.remote([t["prompt_ids"] for t in turns], MAX_TOKENS))
-    decisions = httpx.get(f"{url}/admin/decisions", params={"n": 1000}, timeout=30).json()
+    decisions = httpx.get(f"{url}/admin/decisions", params={"n": 1000}, timeout=30,
+                          headers={"Authorization": f"Bearer {API_KEY}"}).json()
     index_stats = serve.get_deployment_handle("KVIndexServer", app_name).stats.remote().result(timeout_s=30)
     return {**placements(), "turns": turns, "reference_ids": expected, "index_stats": index_stats,
             "decisions": {d["request_id"]: d for d in decisions}, "timings": timings,
@@ -216,7 +219,7 @@ def isolate_ray() -> Path:
                        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port("127.0.0.1")),
                        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port("127.0.0.1")),
                        yaml.safe_load((ROOT / "serve.yaml").read_text())["applications"][0]["args"]["secrets_env"]:
-                           json.dumps({"api_keys": {"unused": "default"}, "admin_api_keys": ["unused"]})})
+                           json.dumps({"api_keys": {API_KEY: "default"}, "admin_api_keys": [API_KEY]})})
     return ray_tmp
 
 
