@@ -88,7 +88,10 @@ class Router:
         tenant = cache_scope(request.authorization, body.user, self.keys, self.config.per_user_salt_tenants)
         self.request_check.check_fields(body)
         sampling = body.sampling(DEFAULT_MAX_TOKENS)
-        await self._in_render_thread(self.request_check.check, sampling)  # before any engine sees it
+        if RequestCheck.needs_tokenizer(sampling):  # before any engine sees it
+            await self._in_render_thread(self.request_check.check, sampling)
+        else:
+            self.request_check.check(sampling)
         rendered = await self._rendered(body, tenant, body.session_id or request.session_id) if isinstance(
             body, ChatCompletionRequest) else None
         if request.resume is not None:  # the reply continues what the client already has
