@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from app.conversations import RenderMode
+from app.conversations import RecordBounds, RenderMode
 from app.hashing import DEFAULT_HASH_SEED
 from app.routing import RoutingPolicy
 
@@ -115,10 +115,14 @@ class Limits:
     """`stop` strings per request above this get 400: vLLM checks each against every new token's text."""
     max_stop_chars: int = 256
     """A `stop` string longer than this gets 400."""
+    max_token_rules: int = 256
+    """Entries of `stop_token_ids`, `bad_words` or `logit_bias` (each) above this get 400: vLLM applies
+    each at every step of the reply, bad words one by one."""
     tenant_share: float = 0.5
-    """With api_keys set, the share of a frontend replica's admission places (router_holds) one
-    tenant may hold; past it: 429 + Retry-After, so that one tenant cannot starve the others.
-    Without keys every request is one tenant and only the admission bound applies."""
+    """With api_keys set, the share one tenant may hold of a frontend replica's admission places
+    (router_holds; past it: 429 + Retry-After), of the conversation records' bytes and of each
+    decode replica's retained KV (past those, the tenant's own oldest go first), so that one tenant
+    cannot starve the others. Without keys every request is one tenant and only the whole bounds apply."""
     client_write_timeout_s: float = 30.0
     """A reply the client has not taken for this long (it stopped reading) is ended, and its
     admission place and engine slots released."""
@@ -163,7 +167,7 @@ class Limits:
             "router_max_queued_requests", "engine_max_queued_requests", "index_max_queued_requests",
             "bookkeeping_timeout_s", "index_wait_at_start_s", "prefill_timeout_s", "first_chunk_timeout_s",
             "stream_idle_timeout_s", "max_request_bytes", "max_messages", "max_regex_bytes", "render_timeout_s",
-            "max_stop_strings", "max_stop_chars", "client_write_timeout_s",
+            "max_stop_strings", "max_stop_chars", "max_token_rules", "client_write_timeout_s",
             "heartbeat_interval_s", "health_check_period_s", "drain_timeout_s", "retained_trim_interval_s")}
         failed = [f"limits.{name} must be > 0" for name, value in positive.items() if value <= 0]
         if self.registration_ttl_s < 2 * self.heartbeat_interval_s:
@@ -334,9 +338,18 @@ class AppConfig:
     model: str = TINY_MODEL
     """Model path or hub id; "tiny-qwen3" builds the embedded random-weight model on first start."""
     served_model_name: str = ""
-    """Name clients pass as `model`; defaults to the model's folder name."""
+    """Name clients pass as `model`; defaults to `model` as given (a hub id such as Qwen/Qwen3-32B,
+    or a path), as vLLM's server names it."""
     model_cache_dir: str = "~/.cache/kv-loop"
     """Where the embedded model is built."""
+    tool_call_parser: str = "hermes"
+    """vLLM's tool parser for the model family (`--tool-call-parser` with `--enable-auto-tool-choice`):
+    Qwen3's JSON calls are "hermes", as the embedded model's. Empty: requests offering `tools` get
+    400 unless their tool_choice is "none"."""
+    reasoning_parser: str = ""
+    """vLLM's reasoning parser (`--reasoning-parser`; "qwen3" for Qwen3): replies carry their
+    reasoning in `reasoning`, apart from `content`, and a grammar starts where the reasoning ends.
+    Empty, as vLLM's default: the reasoning stays in `content`, as the model wrote it."""
     device: Device = Device.CPU
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -462,7 +475,11 @@ class AppConfig:
     conversation_ttl_s: float = 1800.0
     """How long a finished turn's record can serve the next turn."""
     max_conversations: int = 100_000
-    """Records kept per router replica (LRU beyond that)."""
+    """Records kept per router replica and in the KV index's shared copy (the oldest go first)."""
+    conversation_store_mib: int = 512
+    """Bytes of records (tokens at 4 bytes each) kept per router replica and in the KV index's shared
+    copy: about 16 M tokens of history. With api_keys set, one tenant's records past
+    `limits.tenant_share` of it push out that tenant's own oldest."""
     router_replicas: int = 1
     """Router replicas (they share conversation records through the KV index), and as many frontend
     replicas: the HTTP ingress, which moves a reply to another router replica if its replica dies."""
@@ -514,6 +531,8 @@ class AppConfig:
             "prefill.replicas and decode.replicas must be >= 1":
                 self.prefill.replicas >= 1 and self.decode.replicas >= 1,
             "recompute_threshold_tokens must be >= 0": self.recompute_threshold_tokens >= 0,
+            "max_conversations and conversation_store_mib must be >= 1":
+                min(self.max_conversations, self.conversation_store_mib) >= 1,
             "stream_interval_tokens must be >= 1": self.stream_interval_tokens >= 1,
             "engine_nice must lie in [0, 19]": 0 <= self.engine_nice <= 19,
             "engine_busy_poll_s must be > 0": self.engine_busy_poll_s > 0,
@@ -573,13 +592,24 @@ class AppConfig:
         return "sha256_cbor" if self.api_keys else "xxhash_cbor"
 
     @property
+    def tenant_quotas(self) -> bool:
+        """Whether each tenant is held to its `limits.tenant_share` (with api_keys set)."""
+        return bool(self.api_keys)
+
+    @property
+    def record_bounds(self) -> RecordBounds:
+        max_bytes = self.conversation_store_mib << 20
+        share = self.limits.tenant_share if self.tenant_quotas else 1.0
+        return RecordBounds(self.conversation_ttl_s, self.max_conversations, max_bytes, int(max_bytes * share))
+
+    @property
     def tunes_shared_cpu(self) -> bool:
         """Whether the engines get the tuning for cores shared with the serving path."""
         return self.device == Device.CPU or self.cpu_tuning_on_gpu
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).name
+        return self.served_model_name or self.model
 
     @property
     def engine_dtype(self) -> str:
@@ -597,7 +627,8 @@ APP_ENGINE_ARGS = frozenset({
     "enable_prefix_caching", "prefix_caching_hash_algo", "tensor_parallel_size", "pipeline_parallel_size",
     "distributed_executor_backend", "gpu_memory_utilization", "num_gpu_blocks_override", "stream_interval",
     "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "scheduling_policy",
-    "scheduler_cls", "kv_transfer_config", "worker_extension_cls", "kv_events_config", "disable_log_stats"})
+    "scheduler_cls", "kv_transfer_config", "worker_extension_cls", "kv_events_config", "disable_log_stats",
+    "reasoning_parser"})
 """The vLLM engine arguments app/engine.py sets from the app's own keys (a test keeps them equal)."""
 
 

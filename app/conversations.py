@@ -6,12 +6,15 @@ replayed messages, so the next turn can append to them instead of re-rendering h
 
 Keys chain over messages (H(m0), H(m0,m1), ...), so a miss still finds the record sharing the
 longest message prefix: that tells where and why the client's history diverged.
-Bounded by count (LRU) and age (TTL); losing a record costs reuse only, never correctness.
+Bounded by count, by bytes and by age (RecordBounds); with tenants, each tenant by its share of the
+bytes, so that one tenant's long conversations push out its own oldest records, not others'. Losing
+a record costs reuse only, never correctness.
 """
 
 import enum
 import json
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -20,28 +23,77 @@ import xxhash
 
 from app.hashing import common_prefix_len
 
+REASONING_END = "</think>"
+
 
 def message_chain(parent: str, messages: list[dict[str, Any]]) -> list[str]:
     """One key per message prefix: key[i] identifies messages[: i + 1] after `parent` (the tenant
     for a whole conversation, or the last key of a chain to extend it)."""
     keys = []
     for message in messages:
-        body = json.dumps([message.get("role"), message.get("content"), message.get("reasoning_content")])
+        body = json.dumps(message_identity(message))
         parent = xxhash.xxh3_128_hexdigest(body.encode(), seed=xxhash.xxh3_64_intdigest(parent.encode()))
         keys.append(parent)
     return keys
 
 
+def message_identity(message: dict[str, Any]) -> list[Any]:
+    """What of a message decides whether a client replayed it: an assistant reply's answer and tool
+    calls, not its reasoning, which clients replay in `content`, in a field of its own or not at
+    all (the record keeps the tokens the model produced either way); tool calls by name and
+    arguments, not by their ids or the arguments' spacing."""
+    if message.get("role") != "assistant":
+        return [message.get("role"), message.get("content")]
+    answer = (message.get("content") or "").split(REASONING_END)[-1].lstrip("\n")
+    calls = [_call_identity(call) for call in message.get("tool_calls") or ()]
+    return ["assistant", answer, *calls]
+
+
+def _call_identity(call: dict[str, Any]) -> list[Any]:
+    function = call.get("function") or call
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return [function.get("name"), json.dumps(arguments, sort_keys=True)]
+
+
+RECORD_OVERHEAD_BYTES = 512
+"""A record's cost beside its tokens and keys: the objects around them, its index entries."""
+
+
+def compact(token_ids) -> array:
+    """Token ids at 4 bytes each: a tuple of ints costs about 36 per token."""
+    return array("I", token_ids)
+
+
 @dataclass(frozen=True)
 class ConversationRecord:
-    token_ids: tuple[int, ...]
-    """Prompt plus generated tokens, exactly as the engines saw and produced them."""
+    token_ids: array
+    """Prompt plus generated tokens, exactly as the engines saw and produced them (compact())."""
     num_prompt_tokens: int
     message_keys: tuple[str, ...]
     """The chain keys of the messages this record ends (its last one is the assistant reply)."""
     created_at: float
     prefill_replica_id: str = ""
     """Where this turn was prefilled: the next turn 'lands where the previous ran' if it goes there."""
+    tenant: str = ""
+    """Whose quota of the store the record counts against."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.token_ids.itemsize * len(self.token_ids) + 48 * len(self.message_keys) + RECORD_OVERHEAD_BYTES
+
+
+@dataclass(frozen=True)
+class RecordBounds:
+    ttl_s: float
+    max_records: int
+    max_bytes: int
+    tenant_bytes: int
+    """One tenant's records past this push out that tenant's oldest (max_bytes without tenants)."""
 
 
 @dataclass(frozen=True)
@@ -54,24 +106,32 @@ class HistoryMatch:
 
 
 class ConversationStore:
-    def __init__(self, ttl_s: float, max_records: int) -> None:
-        self.ttl_s, self.max_records = ttl_s, max_records
+    def __init__(self, bounds: RecordBounds) -> None:
+        self.bounds = bounds
         self._records: OrderedDict[str, ConversationRecord] = OrderedDict()
         self._by_prefix: dict[str, str] = {}  # message-prefix key -> key of a record extending it
         self._sessions: OrderedDict[str, str] = OrderedDict()  # X-Session-ID -> its latest record key
+        self._by_tenant: dict[str, OrderedDict[str, None]] = {}  # tenant -> its record keys, oldest first
+        self._tenant_bytes: dict[str, int] = {}
+        self.nbytes = 0
 
     def put(self, record: ConversationRecord, session_key: str | None = None) -> None:
-        key = record.message_keys[-1]
+        key, bounds = record.message_keys[-1], self.bounds
         if session_key:
             self._sessions[session_key] = key
             self._sessions.move_to_end(session_key)
-            if len(self._sessions) > self.max_records:
+            if len(self._sessions) > bounds.max_records:
                 self._sessions.popitem(last=False)
+        self._drop(key)
         self._records[key] = record
-        self._records.move_to_end(key)
+        self._by_tenant.setdefault(record.tenant, OrderedDict())[key] = None
+        self._tenant_bytes[record.tenant] = self._tenant_bytes.get(record.tenant, 0) + record.nbytes
+        self.nbytes += record.nbytes
         for prefix in record.message_keys:
             self._by_prefix[prefix] = key
-        while len(self._records) > self.max_records:
+        while self._tenant_bytes[record.tenant] > bounds.tenant_bytes and len(self._by_tenant[record.tenant]) > 1:
+            self._drop(next(iter(self._by_tenant[record.tenant])))
+        while len(self._records) > 1 and (len(self._records) > bounds.max_records or self.nbytes > bounds.max_bytes):
             self._drop(next(iter(self._records)))
 
     def match(self, chain: list[str], last_assistant: int, session_key: str | None = None,
@@ -93,16 +153,23 @@ class ConversationStore:
 
     def _live(self, key: str | None, now: float) -> ConversationRecord | None:
         record = self._records.get(key) if key else None
-        if record is not None and now - record.created_at > self.ttl_s:
+        if record is not None and now - record.created_at > self.bounds.ttl_s:
             self._drop(key)
             return None
         return record
 
     def _drop(self, key: str) -> None:
         record = self._records.pop(key, None)
-        for prefix in record.message_keys if record else ():
+        if record is None:
+            return
+        for prefix in record.message_keys:
             if self._by_prefix.get(prefix) == key:
                 del self._by_prefix[prefix]
+        self.nbytes -= record.nbytes
+        self._tenant_bytes[record.tenant] -= record.nbytes
+        del self._by_tenant[record.tenant][key]
+        if not self._by_tenant[record.tenant]:
+            del self._by_tenant[record.tenant], self._tenant_bytes[record.tenant]
 
     def __len__(self) -> int:
         return len(self._records)

@@ -148,8 +148,22 @@ class EngineIdentity:
     def engine_events_endpoint(self) -> str:
         """Where vLLM publishes its KV cache events: an ipc socket, on the node only (they carry every
         tenant's prompt token ids). Its replica reads them there and pushes the KV index their block
-        hashes only (app/kv_events.forward); no event socket is on the network."""
-        return f"ipc://{tempfile.gettempdir()}/kv-loop-events-{self.engine_id}"
+        hashes only (app/kv_events.forward); no event socket is on the network, and the node's other
+        users cannot enter its folder."""
+        return f"ipc://{private_socket_dir()}/events-{self.engine_id}"
+
+
+def private_socket_dir() -> str:
+    """This user's folder for the engines' ipc sockets, mode 0700. One that exists with another
+    owner or wider access (made by someone else to read the sockets) is refused."""
+    path = os.path.join(tempfile.gettempdir(), f"kv-loop-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    found = os.stat(path)
+    if found.st_uid != os.getuid() or found.st_mode & 0o077:
+        raise PermissionError(f"{path} must belong to uid {os.getuid()} with mode 0700 (it holds the KV event "
+                              f"sockets, which carry prompt token ids); found uid {found.st_uid}, "
+                              f"mode {oct(found.st_mode & 0o777)}")
+    return path
 
 
 def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> EngineIdentity:
@@ -212,6 +226,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
     return AsyncEngineArgs(
         **config.engine_kwargs,
         model=path, tokenizer=path, served_model_name=[config.model_name], dtype=config.engine_dtype,
+        reasoning_parser=config.reasoning_parser,  # a grammar starts where the reasoning ends
         block_size=config.block_size, max_model_len=config.max_model_len,
         enforce_eager=config.enforce_eager, enable_prefix_caching=group.prefix_caching,
         prefix_caching_hash_algo=config.prefix_hash_algo,
@@ -255,7 +270,9 @@ def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, An
     router builds them with this same function to refuse a request before any engine sees it)."""
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams  # not `from vllm`: 4 us a call
 
-    structured = StructuredOutputsParams(regex=settings.regex) if settings.regex else None
+    structured = StructuredOutputsParams(
+        regex=settings.regex, json=settings.json_schema, json_object=settings.json_object or None,
+        structural_tag=settings.structural_tag) if settings.grammar else None
     allowed = settings.allowed_token_ids
     # from_optional: vLLM's own mapping of request values (logit_bias keys to token ids, clamped)
     return SamplingParams.from_optional(

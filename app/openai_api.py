@@ -2,13 +2,14 @@
 
 Every field of vLLM's own request models (its ChatCompletionRequest and CompletionRequest) is
 honoured, or refused by name when a request sets it to anything but vLLM's default (`n` > 1,
-`tools`, `logprobs`, ...), never silently ignored: the honoured ones are typed here, the router
-refuses the others (app/request_check.py, which reads the list from vLLM's models). Fields vLLM
-does not know are logged and ignored, as vLLM's server does (clients send many), except a few of
-OpenAI's that would change the reply (`FOREIGN_REFUSED`). `kv_transfer_params` in particular is
-never read: only the router's own records decide what is pulled from where. A client-supplied
-`chat_template` is refused. Sampling fields are checked by vLLM's own code in the router, not by a
-copy of its rules.
+`logprobs`, ...), never silently ignored. Tools, tool_choice and response_format are honoured, and
+the replies' tool calls and reasoning parsed by vLLM's own parsers (app/reply_parsing.py). The
+honoured fields are typed here; the router refuses the others (app/request_check.py, which reads
+the list from vLLM's models). Fields vLLM does not know are logged and ignored, as vLLM's server
+does (clients send many), except a few of OpenAI's that would change the reply
+(`FOREIGN_REFUSED`). `kv_transfer_params` in particular is never read: only the router's own
+records decide what is pulled from where. A client-supplied `chat_template` is refused. Sampling
+fields are checked by vLLM's own code in the router, not by a copy of its rules.
 """
 
 import json
@@ -25,18 +26,15 @@ from app.routing import RoutingPolicy
 DEFAULT_MAX_TOKENS = 256
 """max_tokens of a request that names none."""
 ROLES = ("system", "user", "assistant", "developer", "tool")
-_TOOLS = "tool calling is not implemented"
 _LOGPROBS = "log probabilities are not returned"
 _RENDERING = "conversations are rendered append-only with the model's own chat template"
 _TEXT_ONLY = "this server reads and returns text only"
 REFUSED_BECAUSE = {
-    "tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS, "functions": _TOOLS,
-    "function_call": _TOOLS,
+    "functions": "deprecated by OpenAI: use tools", "function_call": "deprecated by OpenAI: use tool_choice",
     "n": "one choice per request", "best_of": "one choice per request",
     "use_beam_search": "beam search is not implemented", "length_penalty": "it applies to beam search only",
     "logprobs": _LOGPROBS, "top_logprobs": _LOGPROBS, "prompt_logprobs": _LOGPROBS, "logprob_token_ids": _LOGPROBS,
     "return_tokens_as_token_ids": _LOGPROBS,
-    "response_format": "not implemented; structured_outputs.regex is",
     "chat_template": "a client's template is not run",
     "add_generation_prompt": _RENDERING, "continue_final_message": _RENDERING, "add_special_tokens": _RENDERING,
     "documents": _RENDERING,
@@ -95,11 +93,27 @@ def _refuse_extra(model: BaseModel, prefix: str) -> None:
         raise ValueError(f"not supported by this server: {', '.join(f'{prefix}.{n}' for n in sorted(asked))}")
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str = ""
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
+    """vLLM's name for reasoning_content; either is rendered (the template reads reasoning_content)."""
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -166,6 +180,8 @@ class GenerationRequest(BaseModel):
     """vLLM's extension: constrain the reply (here: `regex`)."""
     return_token_ids: bool = False
     """vLLM's extension: include prompt and generated token ids in the response."""
+    response_format: dict[str, Any] | None = None
+    """text, json_object or json_schema (its `schema`), as vLLM maps them to structured outputs."""
     # vLLM's sampling extensions and OpenAI's penalties, typed as vLLM's models type them; their
     # values are checked by vLLM's SamplingParams in the router.
     min_tokens: int = 0
@@ -199,6 +215,12 @@ class GenerationRequest(BaseModel):
             return {name: value for name, value in body.items() if name not in IGNORED}
         return body
 
+    @field_validator("response_format")
+    @classmethod
+    def _known_format(cls, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+        response_grammar(response_format)
+        return response_format
+
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -209,6 +231,7 @@ class GenerationRequest(BaseModel):
                                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                                 stop=self.stop_strings, ignore_eos=self.ignore_eos,
                                 regex=self.structured_outputs.regex if self.structured_outputs else None,
+                                **response_grammar(self.response_format),
                                 min_tokens=self.min_tokens, min_p=_or(self.min_p, 0.0),
                                 presence_penalty=_or(self.presence_penalty, 0.0),
                                 frequency_penalty=_or(self.frequency_penalty, 0.0),
@@ -223,7 +246,7 @@ class GenerationRequest(BaseModel):
     def over_limits(self, limits: Limits) -> str | None:
         """What in the request exceeds the server's bounds on work a field can ask of an engine:
         a grammar's compile time grows faster than its regex, and vLLM checks every stop string
-        against every new token's text."""
+        against every new token's text and applies every token rule at every step."""
         regex_bytes = len(self.structured_outputs.regex.encode()) if self.structured_outputs else 0
         if regex_bytes > limits.max_regex_bytes:
             return (f"structured_outputs.regex: {regex_bytes} bytes exceed this server's limit of "
@@ -233,6 +256,9 @@ class GenerationRequest(BaseModel):
             return f"stop: {len(stop)} strings exceed this server's limit of {limits.max_stop_strings}"
         if longest := max((len(s) for s in stop if len(s) > limits.max_stop_chars), default=0):
             return f"stop: a string of {longest} characters exceeds this server's limit of {limits.max_stop_chars}"
+        for name in ("stop_token_ids", "bad_words", "logit_bias"):
+            if len(getattr(self, name) or ()) > limits.max_token_rules:
+                return f"{name}: more than this server's limit of {limits.max_token_rules} entries"
         return None
 
     @property
@@ -242,16 +268,47 @@ class GenerationRequest(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    """Checked by vLLM's own request model in the router (app/tool_calls.py), rendered by the template."""
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     conversation_mode: RenderMode | None = None
     """This project's extension: how to render history for this request (default: the config's)."""
 
+    @property
+    def forces_tool_call(self) -> bool:
+        """A `required` or named tool choice: vLLM constrains the reply with a grammar."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+
     def template_messages(self) -> list[dict[str, Any]]:
-        return [{**m.model_dump(exclude_none=True), "content": m.text()} for m in self.messages]
+        messages = []
+        for m in self.messages:
+            message = {**m.model_dump(exclude_none=True, exclude={"reasoning"}), "content": m.text()}
+            if m.reasoning is not None and m.reasoning_content is None:
+                message["reasoning_content"] = m.reasoning
+            messages.append(message)
+        return messages
 
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
+
+
+def response_grammar(response_format: dict[str, Any] | None) -> dict[str, Any]:
+    """SamplingSettings' grammar for `response_format`, as vLLM's structured_outputs_from_response_format
+    maps it (text: none)."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError("response_format.json_schema.schema: a JSON schema object is required")
+        return {"json_schema": json.dumps(schema)}
+    if kind != "text":
+        raise ValueError(f"response_format.type: {kind!r} is not supported (text, json_object, json_schema)")
+    return {}
 
 
 def _or(value: float | None, default: float) -> float:
@@ -286,10 +343,12 @@ class ResponseShape:
         return body
 
     def _choice(self, text: str, finish_reason: str | None, token_ids: list[int] | None,
-                message_key: str) -> dict[str, Any]:
+                message_key: str, parsed: dict[str, Any] | None) -> dict[str, Any]:
+        """`parsed`: the message or delta vLLM's parsers made of the text (app/reply_parsing.py)."""
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            choice[message_key] = {"role": "assistant", "content": text}
+            choice[message_key] = {"role": "assistant", **parsed} if parsed is not None else {
+                "role": "assistant", "content": text}
         else:
             choice["text"] = text
         choice["finish_reason"] = finish_reason
@@ -302,16 +361,16 @@ class ResponseShape:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def chunk(self, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
-              prompt_token_ids: list[int] | None = None) -> str:
-        choice = self._choice(text, finish_reason, token_ids, "delta")
+              prompt_token_ids: list[int] | None = None, parsed: dict[str, Any] | None = None) -> str:
+        choice = self._choice(text, finish_reason, token_ids, "delta", parsed)
         return sse(self._body(self._chunk_object, choice, prompt_token_ids))
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> str:
         return sse(self._body(self._chunk_object, None, usage=usage_body))
 
-    def full(self, text: str, finish_reason: str | None, usage_body: dict[str, Any],
-             token_ids: list[int] | None, prompt_token_ids: list[int] | None) -> dict[str, Any]:
-        choice = self._choice(text, finish_reason, token_ids, "message")
+    def full(self, text: str, finish_reason: str | None, usage_body: dict[str, Any], token_ids: list[int] | None,
+             prompt_token_ids: list[int] | None, parsed: dict[str, Any] | None = None) -> dict[str, Any]:
+        choice = self._choice(text, finish_reason, token_ids, "message", parsed)
         return self._body(self.object, choice, prompt_token_ids, usage=usage_body)
 
 

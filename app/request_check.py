@@ -74,7 +74,7 @@ class RequestCheck:
         """Whether `check` compiles a grammar or tokenizes bad words: then it runs in the router's
         render thread (the tokenizer is not safe to share, a compile takes time). Without them it
         takes microseconds, less than a hop to that thread."""
-        return bool(settings.regex or settings.bad_words)
+        return bool(settings.grammar or settings.bad_words)
 
     def check(self, settings: SamplingSettings) -> None:
         from vllm import envs
@@ -87,8 +87,9 @@ class RequestCheck:
         try:
             params.verify(self.model, None, self.structured, self.tokenizer)
         except (VLLMClientError, ValueError) as exc:  # vLLM's name the field (parameter=); a grammar's do not
-            grammar = settings.regex and getattr(exc, "parameter", None) is None
-            what = "structured_outputs.regex: invalid regex" if grammar else "invalid sampling parameters"
+            grammar = settings.grammar and getattr(exc, "parameter", None) is None
+            what = ("structured_outputs.regex: invalid regex" if settings.regex else "response_format: invalid schema"
+                    ) if grammar else "invalid sampling parameters"
             raise BadRequest(f"{what}: {exc}") from None
         try:
             params.update_from_tokenizer(self.tokenizer)

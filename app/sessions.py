@@ -6,22 +6,24 @@ The store here is the router replica's near copy; the KV index keeps the shared 
 miss, so a restarted router or another replica keeps a conversation's append-only rendering.
 """
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from app.chat import PromptRenderer
 from app.conversations import (
+    REASONING_END,
     ConversationRecord,
     ConversationStore,
     HistoryMatch,
+    RecordBounds,
     RenderDiagnostics,
     RenderMode,
+    compact,
     diagnose,
     message_chain,
 )
-
-REASONING_END = "</think>"
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class HistoryQuery:
     """Index of the last assistant message (-1: a first turn, nothing to look up)."""
     session_key: str | None
     tenant: str
+    """Whose quota the turn's record counts against (the key's tenant, whatever its cache scope)."""
 
 
 @dataclass(frozen=True)
@@ -51,14 +54,18 @@ class RenderedTurn:
 
 
 class ChatSessions:
-    def __init__(self, renderer: PromptRenderer, block_size: int, ttl_s: float, max_records: int) -> None:
+    def __init__(self, renderer: PromptRenderer, block_size: int, bounds: RecordBounds) -> None:
         self.renderer, self.block_size = renderer, block_size
-        self.store = ConversationStore(ttl_s=ttl_s, max_records=max_records)
+        self.store = ConversationStore(bounds)
 
-    def query(self, messages: list[dict[str, Any]], tenant: str, session_id: str | None) -> HistoryQuery:
+    def query(self, messages: list[dict[str, Any]], scope: str, tenant: str, session_id: str | None,
+              tools: list[dict[str, Any]] | None = None) -> HistoryQuery:
+        """`scope`: what may share records and KV (the tenant, or tenant/user). The tools offered
+        root the chain: the template renders them first, so other tools make another conversation."""
         last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-        return HistoryQuery(tuple(message_chain(tenant, messages)), last_assistant,
-                            f"{tenant}\x00{session_id}" if session_id else None, tenant)
+        root = f"{scope}\x00tools:{json.dumps(tools, sort_keys=True)}" if tools else scope
+        return HistoryQuery(tuple(message_chain(root, messages)), last_assistant,
+                            f"{scope}\x00{session_id}" if session_id else None, tenant)
 
     def match(self, query: HistoryQuery) -> HistoryMatch:
         return self.store.match(list(query.chain), query.last_assistant, query.session_key)
@@ -83,13 +90,14 @@ class ChatSessions:
         reply = self.renderer.tokenizer.decode(record.token_ids[record.num_prompt_tokens:])
         return REASONING_END in reply
 
-    def finish(self, turn: RenderedTurn, generated_ids: list[int], reply_text: str,
+    def finish(self, turn: RenderedTurn, generated_ids: list[int], reply: dict[str, Any],
                prefill_replica_id: str) -> ConversationRecord:
-        """Record the finished turn, keyed by the messages a faithful client will replay next."""
-        reply_key = message_chain(turn.chain[-1], [{"role": "assistant", "content": reply_text}])[0]
-        record = ConversationRecord(token_ids=(*turn.prompt_ids, *generated_ids),
+        """Record the finished turn, keyed by the message (`reply`: content, tool calls) a faithful
+        client will replay next."""
+        reply_key = message_chain(turn.chain[-1], [reply])[0]
+        record = ConversationRecord(token_ids=compact((*turn.prompt_ids, *generated_ids)),
                                     num_prompt_tokens=len(turn.prompt_ids),
                                     message_keys=(*turn.chain, reply_key), created_at=time.time(),
-                                    prefill_replica_id=prefill_replica_id)
+                                    prefill_replica_id=prefill_replica_id, tenant=turn.tenant)
         self.store.put(record, turn.session_key)
         return record

@@ -102,9 +102,8 @@ def _match(digests: Iterable[bytes], key: str) -> bytes | None:
     return found
 
 
-def cache_scope(authorization: str | None, user: str | None, keys: KeyRing, per_user_tenants: tuple[str, ...]) -> str:
+def cache_scope(tenant: str, user: str | None, per_user_tenants: tuple[str, ...]) -> str:
     """What may share cached KV: the tenant, or tenant/user for tenants salted per user."""
-    tenant = keys.tenant_of(authorization)
     return f"{tenant}/{user or ''}" if tenant in per_user_tenants else tenant
 
 

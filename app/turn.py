@@ -80,6 +80,8 @@ class Turn:
     prompt_token_ids: tuple[int, ...]
     cache_salt: str
     sampling: SamplingSettings
+    tenant: str = ""
+    """Whose quotas the turn counts against (decode's retained KV, the records)."""
     reverse_pull: bool = True
     rendering: RenderDiagnostics | None = None
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
@@ -471,7 +473,7 @@ class TurnLoop:
         request = DecodeRequest(request_id=f"{turn.request_id}-{role.value[0]}{suffix}",
                                 prompt_token_ids=turn.prompt_token_ids, cache_salt=turn.cache_salt,
                                 sampling=turn.sampling, handoff=None, target_replica_id=target, retain=on_decode,
-                                priority=turn.priority)
+                                priority=turn.priority, tenant=turn.tenant)
         stream = ledger.open_stream = self._stream(role, request)
         with self.journal.queued(target, len(turn.prompt_token_ids) - decision.tokens_local, turn.later):
             try:
@@ -493,7 +495,8 @@ class TurnLoop:
             prompt, sampling = prompt + first.token_ids, sampling.after(1)
         return DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=prompt, cache_salt=turn.cache_salt,
                              sampling=sampling, handoff=prepared.prefill.handoff,
-                             target_replica_id=retained.replica_id if retained else "", priority=CONTINUATION_PRIORITY)
+                             target_replica_id=retained.replica_id if retained else "", priority=CONTINUATION_PRIORITY,
+                             tenant=turn.tenant)
 
     def _continue(self, request: DecodeRequest) -> ReplyStream:
         """Stream `request` on a live decode replica (its preferred one if live), else compute it

@@ -5,7 +5,8 @@ for the next turn. router ──DecodeRequest──▶ generate() ──ReplyChu
 Kept sequences are a cache, not a reservation: past `limits.retained_pool_share` of the pool (counting
 only what the index still holds: later turns take the rest), or while requests wait for blocks
 (waiting, with the pool at least `limits.retained_yield_usage` full), the oldest are taken out of
-the index and released.
+the index and released. With tenants, one tenant's past `limits.tenant_share` of that share are its
+own oldest released (tenant_share): its long conversations cannot push out the others'.
 """
 
 import asyncio
@@ -35,7 +36,8 @@ class DecodeServer(EngineReplica):
         """What this engine holds for next turns, oldest first (by engine request id)."""
         self.released_metric = metrics.Counter(
             "kv_loop_kept_released", "Sequences decode kept for a next turn and released before their TTL: "
-            "past its pool share (pool_share) or for requests waiting for blocks (waiting).", tag_keys=("cause",))
+            "past its pool share (pool_share), a tenant's share of it (tenant_share) or for requests waiting for "
+            "blocks (waiting).", tag_keys=("cause",))
         self._trimmer = asyncio.get_event_loop().create_task(self._trim_forever())
 
     def on_retained(self, retained: RetainedBlocks) -> None:
@@ -64,6 +66,16 @@ class DecodeServer(EngineReplica):
         # only cost later turns their KV (90 releases a sweep at 64 conversations, at most 22 % usage).
         elif load.num_waiting_reqs > 0 and load.kv_cache_usage >= limits.retained_yield_usage:
             await self._release_oldest(0, "waiting", at_least_one=True)
+        if self.config.tenant_quotas:
+            await self._trim_tenants(int(self.engine.pool_blocks * limits.retained_pool_share * limits.tenant_share))
+
+    async def _trim_tenants(self, quota: int) -> None:
+        held: dict[str, int] = {}
+        for retained in self.kept.values():
+            held[retained.tenant] = held.get(retained.tenant, 0) + _blocks(retained)
+        for tenant, blocks in held.items():
+            if blocks > quota:
+                await self._release_oldest(blocks - quota, "tenant_share", tenant=tenant)
 
     async def _forget_taken(self) -> None:
         """Stop counting the kept sequences a later turn took (pulled, or continued here and
@@ -83,15 +95,19 @@ class DecodeServer(EngineReplica):
             if key not in held:
                 self.kept.pop(key[1], None)
 
-    async def _release_oldest(self, blocks: int, cause: str, at_least_one: bool = False) -> None:
-        """Take the oldest kept sequences out of the index until they cover `blocks` (with
-        `at_least_one`, until one of them was still there) and release what the index handed over.
+    async def _release_oldest(self, blocks: int, cause: str, at_least_one: bool = False,
+                              tenant: str | None = None) -> None:
+        """Take the oldest kept sequences (of `tenant`, if given) out of the index until they cover
+        `blocks` (with `at_least_one`, until one of them was still there) and release what the index
+        handed over.
         A sequence taken since it was counted (or not yet recorded when `_forget_taken` asked)
         leaves the pool anyway, so it counts against `blocks`. One index call a tick: a call per
         kept sequence was one per reply once the pool share bound."""
         timeout = self.config.limits.bookkeeping_timeout_s
         while self.kept and (blocks > 0 or at_least_one):
-            oldest, covered = self._oldest(max(blocks, 1))
+            oldest, covered = self._oldest(max(blocks, 1), tenant)
+            if not oldest:
+                return
             chosen = {r.handoff.request_id: r for r in oldest}
             blocks -= covered
             for request_id in chosen:
@@ -104,12 +120,15 @@ class DecodeServer(EngineReplica):
                 self.released_metric.inc(1, {"cause": cause})
                 logger.info("released retained sequence %s (%s)", request_id, cause)
 
-    def _oldest(self, blocks: int) -> tuple[list[RetainedBlocks], int]:
-        """The oldest kept sequences whose blocks add up to at least `blocks`, and their blocks."""
+    def _oldest(self, blocks: int, tenant: str | None) -> tuple[list[RetainedBlocks], int]:
+        """The oldest kept sequences (of `tenant`, if given) whose blocks add up to at least `blocks`,
+        and their blocks."""
         chosen, covered = [], 0
         for retained in self.kept.values():
             if covered >= blocks:
                 break
+            if tenant is not None and retained.tenant != tenant:
+                continue
             chosen.append(retained)
             covered += _blocks(retained)
         return chosen, covered

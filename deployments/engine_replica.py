@@ -142,7 +142,7 @@ class EngineReplica:
         sequence = (*request.prompt_token_ids, *generated)
         retained = RetainedBlocks(replica_id=self.replica_id, handoff=handoff,
                                   token_ids=sequence[:handoff.num_tokens],
-                                  num_prompt_tokens=len(request.prompt_token_ids))
+                                  num_prompt_tokens=len(request.prompt_token_ids), tenant=request.tenant)
         self.on_retained(retained)
         return retained
 

@@ -40,6 +40,7 @@ from app.openai_api import (
 from app.protocol import ClientRequest
 from app.relay import Admission, NoRouterAlive, Relay
 from app.reply import EngineRefused, NoEngineAlive, StageTimeout
+from app.reply_parsing import ReplyParsing
 from app.routing import NoPrefillReplica
 from app.tenants import KeyRing, Unauthorized, open_api_refusal
 from deployments.http_guard import HttpGuard, error_response, open_paths, serve_docs
@@ -96,6 +97,7 @@ def in_band_status(exc: Exception) -> int:
 class Frontend:
     def __init__(self, config: AppConfig, router) -> None:
         self.config, self.limits = config, config.limits
+        self.parsing = ReplyParsing.of(config)
         self.router = router.options(_by_reference=False)
         self.streams = router.options(stream=True, _by_reference=False)
         api.state.max_request_bytes, api.state.retry_after_s = self.limits.max_request_bytes, self.limits.retry_after_s
@@ -171,8 +173,10 @@ class Frontend:
         if problem := body.over_limits(self.limits):
             raise BadRequest(problem)
         sampling = body.sampling(DEFAULT_MAX_TOKENS)
+        parsed = self.parsing.vllm_request(body) if chat and self.parsing.applies(body) else None
         relay = Relay(self.streams, request, sampling.max_tokens, ROUTER_ATTEMPTS,
-                      movable=not sampling.reads_reply,  # a grammar's or penalties' state cannot move
+                      # a grammar's or penalties' state cannot move
+                      movable=not (sampling.reads_reply or chat and body.forces_tool_call),
                       on_move=lambda stage: self.moves.inc(1, {"stage": stage}))
         if (release := self.admission.admit(relay, api.state.keys.tenant_of(request.authorization))) is None:
             if self.admission.full:
@@ -188,31 +192,44 @@ class Frontend:
             raise
         shape = ResponseShape(start.request_id, self.config.model_name, chat)
         if body.stream:
-            return StreamingResponse(self._stream(relay, shape, body, release), media_type="text/event-stream")
+            return StreamingResponse(self._stream(relay, shape, body, release, parsed), media_type="text/event-stream")
         try:
-            return await self._complete(relay, shape, body)
+            return await self._complete(relay, shape, body, parsed)
         finally:
             relay.close()
             release()
 
-    async def _complete(self, relay: Relay, shape: ResponseShape, body: GenerationRequest):
+    async def _complete(self, relay: Relay, shape: ResponseShape, body: GenerationRequest, parsed_request):
+        """`parsed_request`: vLLM's request model when vLLM's parsers read the reply, else None."""
         finish_reason = None
         async with aclosing(relay.chunks()) as chunks:
             async for chunk in chunks:
                 finish_reason = chunk.finish_reason or finish_reason
-        start = relay.start
+        start, text, message = relay.start, "".join(relay.text), None
+        if parsed_request is not None:
+            message, called_tools = self.parsing.message(parsed_request, text, relay.sent)
+            finish_reason = "tool_calls" if called_tools else finish_reason
         use = usage(len(start.prompt_token_ids), len(relay.sent), start.cached_tokens)
         ids, prompt = (relay.sent, list(start.prompt_token_ids)) if body.return_token_ids else (None, None)
-        return shape.full("".join(relay.text), finish_reason, use, ids, prompt)
+        return shape.full(text, finish_reason, use, ids, prompt, message)
 
-    async def _stream(self, relay: Relay, shape: ResponseShape, body: GenerationRequest, release: Callable[[], Any]):
+    async def _stream(self, relay: Relay, shape: ResponseShape, body: GenerationRequest, release: Callable[[], Any],
+                      parsed_request):
         start = relay.start
         prompt = list(start.prompt_token_ids) if body.return_token_ids else None
+        parser = self.parsing.stream(parsed_request) if parsed_request is not None else None
         try:
             async with aclosing(relay.chunks()) as chunks:
                 async for chunk in chunks:
                     ids = list(chunk.token_ids) if body.return_token_ids else None
-                    yield shape.chunk(chunk.text, chunk.finish_reason, ids, prompt)
+                    delta, finish_reason = None, chunk.finish_reason
+                    if parser is not None:
+                        delta = parser.delta(chunk.text, list(chunk.token_ids), list(start.prompt_token_ids),
+                                             finished=finish_reason is not None)
+                        if delta is None and finish_reason is None and ids is None:
+                            continue  # nothing the client sees yet (a tool call's markup), as vLLM streams it
+                        delta, finish_reason = delta or {}, parser.finish_reason(finish_reason)
+                    yield shape.chunk(chunk.text, finish_reason, ids, prompt, delta)
                     prompt = None
         except (BadRequest, EngineRefused, StageTimeout) as exc:  # headers are sent: report in-band, then end
             yield sse(error_body(str(exc), in_band_status(exc)))

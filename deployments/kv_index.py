@@ -34,7 +34,7 @@ class KVIndexServer:
         self.started = time.monotonic()
         self.index = KVIndex(block_size=config.block_size, hash_seed=config.prefix_hash_seed,
                              hash_algo=config.prefix_hash_algo)
-        self.conversations = ConversationStore(ttl_s=config.conversation_ttl_s, max_records=config.max_conversations)
+        self.conversations = ConversationStore(config.record_bounds)
         self._expiry_task = asyncio.get_event_loop().create_task(self._expire_forever())
         self._size = metrics.Gauge("kv_loop_index_size", "KV index entries by kind.", tag_keys=("entries",))
         self.events_applied = 0
@@ -45,7 +45,7 @@ class KVIndexServer:
             self.index.expire()
             for replica_id in self.index.expire_replicas(self.config.limits.registration_ttl_s):
                 logger.warning("replica %s stopped renewing its registration: forgotten", replica_id)
-            for name, value in {**self.index.stats(), "conversations": len(self.conversations)}.items():
+            for name, value in (await self.stats()).items():
                 self._size.set(value, {"entries": name})
 
     async def register(self, info: ReplicaInfo) -> None:
@@ -97,4 +97,5 @@ class KVIndexServer:
         return self.conversations.match(chain, last_assistant, session_key)
 
     async def stats(self) -> dict[str, int]:
-        return {**self.index.stats(), "conversations": len(self.conversations), "events_applied": self.events_applied}
+        return {**self.index.stats(), "conversations": len(self.conversations),
+                "conversation_bytes": self.conversations.nbytes, "events_applied": self.events_applied}

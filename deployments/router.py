@@ -27,6 +27,7 @@ from app.metrics import TurnMetrics, kv_bytes_per_token
 from app.model.tiny import ensure_tiny_model
 from app.openai_api import DEFAULT_MAX_TOKENS, ChatCompletionRequest, GenerationRequest
 from app.protocol import ClientRequest, ReplyChunk, ReplyStart, Resume, Role, SamplingSettings
+from app.reply_parsing import ReplyParsing
 from app.request_check import RequestCheck
 from app.sessions import ChatSessions, HistoryQuery, RenderedTurn
 from app.tenants import KeyRing, cache_salt, cache_scope, open_api_warning
@@ -57,8 +58,8 @@ class Router:
         # One thread: tokenizers are not safe to share across threads, and rendering a large body
         # must not stall other streams on the event loop.
         self.render_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
-        self.sessions = ChatSessions(self.renderer, config.block_size, config.conversation_ttl_s,
-                                     config.max_conversations)
+        self.sessions = ChatSessions(self.renderer, config.block_size, config.record_bounds)
+        self.reply_parsing = ReplyParsing.of(config, self.renderer.tokenizer)
         metrics = TurnMetrics(kv_bytes_per_token(config.model_path()))
         self.loop = TurnLoop(config, index, prefill, decode, metrics)
         # Take requests once the index answered (or the wait ran out: the index may be restarting).
@@ -85,14 +86,17 @@ class Router:
         """One request's reply: a ReplyStart once its prompt is computed, then its chunks (without
         block metadata, which stays here)."""
         received, body = time.perf_counter(), request.body
-        tenant = cache_scope(request.authorization, body.user, self.keys, self.config.per_user_salt_tenants)
+        tenant = self.keys.tenant_of(request.authorization)
+        scope = cache_scope(tenant, body.user, self.config.per_user_salt_tenants)
         self.request_check.check_fields(body)
         sampling = body.sampling(DEFAULT_MAX_TOKENS)
+        if isinstance(body, ChatCompletionRequest):
+            sampling = self.reply_parsing.constrain(body, sampling)
         if RequestCheck.needs_tokenizer(sampling):  # before any engine sees it
             await self._in_render_thread(self.request_check.check, sampling)
         else:
             self.request_check.check(sampling)
-        rendered = await self._rendered(body, tenant, body.session_id or request.session_id) if isinstance(
+        rendered = await self._rendered(body, scope, tenant, body.session_id or request.session_id) if isinstance(
             body, ChatCompletionRequest) else None
         if request.resume is not None:  # the reply continues what the client already has
             prompt_ids = list(request.resume.prompt_token_ids)
@@ -100,7 +104,7 @@ class Router:
         else:
             prompt_ids = rendered.prompt_ids if rendered else await self._in_render_thread(self.renderer.completion,
                                                                                           body)
-        turn = self._turn(body, sampling, prompt_ids, tenant, rendered, request.resume, received)
+        turn = self._turn(body, sampling, prompt_ids, scope, tenant, rendered, request.resume, received)
         ledger, conversation = TurnLedger(turn.request_id), None
         try:
             prepared = await self.loop.prepare(turn, ledger)
@@ -113,36 +117,38 @@ class Router:
                     text.append(chunk.text)
                     yield ReplyChunk(chunk.token_ids, chunk.text, chunk.finish_reason)
             if rendered is not None:  # the turn is recorded with its settlement
-                conversation = self.sessions.finish(rendered, generated, "".join(text), prepared.prefill.replica_id)
+                reply = self.reply_parsing.replayed(body, "".join(text), generated)
+                conversation = self.sessions.finish(rendered, generated, reply, prepared.prefill.replica_id)
         finally:
             self.loop.close(turn, ledger, conversation, rendered.session_key if rendered else None)
 
-    def _turn(self, body: GenerationRequest, sampling: SamplingSettings, prompt_ids: list[int], tenant: str,
-              rendered: RenderedTurn | None, resume: Resume | None, received_at: float) -> Turn:
+    def _turn(self, body: GenerationRequest, sampling: SamplingSettings, prompt_ids: list[int], scope: str,
+              tenant: str, rendered: RenderedTurn | None, resume: Resume | None, received_at: float) -> Turn:
         self.renderer.check_fits(prompt_ids, sampling.max_tokens)
         sent = resume.sent_token_ids if resume else ()
         chat = rendered is not None
         return Turn(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                    prompt_token_ids=(*prompt_ids, *sent), cache_salt=cache_salt(tenant, self.config.salt_secret),
-                    sampling=sampling.after(len(sent)),
+                    prompt_token_ids=(*prompt_ids, *sent), cache_salt=cache_salt(scope, self.config.salt_secret),
+                    sampling=sampling.after(len(sent)), tenant=tenant,
                     reverse_pull=self.config.reverse_pull and body.reverse_pull is not False,
                     rendering=rendered.diagnostics if rendered else None,
                     routing_policy=body.routing_policy or self.config.routing_policy,
-                    affinity_key=rendered.affinity_key if rendered else f"{tenant}:{prompt_ids[:64]}",
+                    affinity_key=rendered.affinity_key if rendered else f"{scope}:{prompt_ids[:64]}",
                     turn_index=rendered.turn_index if rendered else 1,
                     previous_replica=rendered.previous_replica if rendered else "",
                     prefill_on_decode=body.prefill_on_decode is not False,
                     load_aware=self.config.placement.load_aware if body.load_aware_placement is None
                     else body.load_aware_placement, received_at=received_at)
 
-    async def _rendered(self, body: ChatCompletionRequest, tenant: str, session_id: str | None) -> RenderedTurn:
+    async def _rendered(self, body: ChatCompletionRequest, scope: str, tenant: str,
+                        session_id: str | None) -> RenderedTurn:
         self.renderer.check_template_kwargs(body.chat_template_kwargs)
         messages = body.template_messages()
-        query = self.sessions.query(messages, tenant, session_id or body.user)
+        query = self.sessions.query(messages, scope, tenant, session_id or body.user, body.tools)
         match = await self._history(query)
         mode = body.conversation_mode or self.config.conversation_mode
-        return await self._in_render_thread(self.sessions.render, messages, body.chat_template_kwargs, query,
-                                            match, mode)
+        template_kwargs = body.chat_template_kwargs | ({"tools": body.tools} if body.tools else {})
+        return await self._in_render_thread(self.sessions.render, messages, template_kwargs, query, match, mode)
 
     async def _in_render_thread(self, fn, *args):
         return await within_budget(self.render_thread, self.limits.render_timeout_s, fn, *args)

@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-REASONING_TOKENS = ["<think>", "</think>"]
-"""Added but not special, as in Qwen3: they survive detokenisation, so replies carry their reasoning."""
-BUILD_VERSION = "3"  # bump when anything below changes, so old builds are not reused
+ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+"""Added but not special, as in Qwen3: they survive detokenisation, so replies carry their reasoning
+and tool calls for the parsers to find."""
+BUILD_VERSION = "4"  # bump when anything below changes, so old builds are not reused
 TARGET_VOCAB_SIZE = 2048
 MAX_MODEL_LEN = 8192
 
@@ -20,12 +21,24 @@ MAX_MODEL_LEN = 8192
 # - non-thinking mode appends an empty think block to the generation prompt, but history
 #   renders the answer without it;
 # - reasoning of assistant turns before the last user message is dropped from history.
+# Tools as Qwen3 renders them: their schemas in the system turn, calls as <tool_call> JSON inside
+# the assistant turn, consecutive tool results in one user turn as <tool_response>s.
 CHAT_TEMPLATE = (
     "{% set ns = namespace(last_user=-1) %}"
     "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}"
     "{% endif %}{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% endif %}"
     "{% for m in messages %}"
-    "{% if m.role == 'assistant' %}"
+    "{% if tools and loop.first and m.role == 'system' %}"
+    "{% elif m.role == 'assistant' %}"
     "{% set content = m.content or '' %}"
     "{% set reasoning = m.reasoning_content or '' %}"
     "{% if '</think>' in content %}"
@@ -36,7 +49,19 @@ CHAT_TEMPLATE = (
     "{% if loop.index0 > ns.last_user and reasoning %}"
     "<think>\n{{ reasoning }}\n</think>\n\n"
     "{% endif %}"
-    "{{ content }}<|im_end|>\n"
+    "{{ content }}"
+    "{% for call in m.tool_calls or [] %}"
+    "{% if loop.first and content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{% set call = call.function or call %}"
+    "<tool_call>\n{\"name\": \"{{ call.name }}\", \"arguments\": "
+    "{% if call.arguments is string %}{{ call.arguments }}{% else %}{{ call.arguments | tojson }}{% endif %}"
+    "}\n</tool_call>"
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
     "{% else %}"
     "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
     "{% endif %}"
@@ -81,7 +106,7 @@ def _build_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=TARGET_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     bpe.train_from_iterator(corpus_lines(), trainer=trainer)
-    bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in REASONING_TOKENS])
+    bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=SPECIAL_TOKENS[1:], chat_template=CHAT_TEMPLATE,

@@ -19,6 +19,11 @@ class ReferenceEngine:
     def generate(self, prompts: list[list[int]], max_tokens: int, regex: str | None = None,
                  sampling: dict[str, Any] | None = None) -> list[list[int]]:
         """Greedy; `sampling`: more SamplingParams arguments (vLLM's names), ignore_eos among them."""
+        return [ids for ids, _ in self.replies(prompts, max_tokens, regex, sampling)]
+
+    def replies(self, prompts: list[list[int]], max_tokens: int, regex: str | None = None,
+                sampling: dict[str, Any] | None = None) -> list[tuple[list[int], str]]:
+        """As `generate`, with each reply's text as vLLM's detokenizer gives it (what its server returns)."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -27,7 +32,7 @@ class ReferenceEngine:
                                                  "ignore_eos": regex is None, "structured_outputs": structured,
                                                  **(sampling or {})})
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
+        return [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outputs]
 
 
 def start_reference(config) -> "ray.actor.ActorHandle":

@@ -3,10 +3,11 @@
     python -m tests.integration.cluster_layout --out result.json --workdir DIR
 
 A head and one worker node per worker type of cluster.yaml, each worker carrying that type's custom
-resource (prefill_node, decode_node); serve.yaml's application deployed the way `serve run serve.yaml`
-deploys it (the controller builds it from import_path and args), with only what this machine lacks
-overridden; one conversation through it and the same prompts through the oracle. Writes what it
-saw as JSON for tests/integration/test_cluster_layout.py to judge.
+resource (prefill_node, decode_node), under Ray's token authentication as cluster.yaml starts them;
+serve.yaml's application deployed the way `serve run serve.yaml` deploys it (the controller builds it
+from import_path and args), with only what this machine lacks overridden; one conversation through
+it and the same prompts through the oracle; drivers from outside (no token, a wrong one) trying to
+reach the cluster. Writes what it saw as JSON for tests/integration/test_cluster_layout.py to judge.
 
 Run it in its own process (the test does): it starts and stops its own Ray, under its own
 RAY_TMPDIR, so no `ray.init()` elsewhere on the machine connects to it and it connects to no other.
@@ -15,7 +16,10 @@ RAY_TMPDIR, so no `ray.init()` elsewhere on the machine connects to it and it co
 import argparse
 import json
 import os
+import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -197,11 +201,37 @@ def drive(config: dict, app_config, url: str, started: float) -> dict[str, Any]:
     decisions = httpx.get(f"{url}/admin/decisions", params={"n": 1000}, timeout=30,
                           headers={"Authorization": f"Bearer {API_KEY}"}).json()
     index_stats = serve.get_deployment_handle("KVIndexServer", app_name).stats.remote().result(timeout_s=30)
+    outside = {name: outside_driver(ray.get_runtime_context().gcs_address, app_name, env)
+               for name, env in OUTSIDERS.items()}
     return {**placements(), "turns": turns, "reference_ids": expected, "index_stats": index_stats,
+            "outside_drivers": outside,
             "decisions": {d["request_id"]: d for d in decisions}, "timings": timings,
             "block_size": app_config.block_size, "kv_bytes_per_token": kv_bytes_per_token(app_config.model_path()),
             "bundle_resources": {"prefill": dict(app_config.prefill.bundle_resources),
                                  "decode": dict(app_config.decode.bundle_resources)}}
+
+
+OUTSIDERS = {"no_token": {"RAY_AUTH_MODE": None, "RAY_AUTH_TOKEN": None},
+             "wrong_token": {"RAY_AUTH_TOKEN": secrets.token_hex(32)}}
+"""Drivers from outside the app: one that knows no token, one with a token of its own."""
+OUTSIDE_DRIVER = """
+import sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], namespace="serve", log_to_driver=False)
+index = serve.get_deployment_handle("KVIndexServer", sys.argv[2])
+print("took:", index.take_all.remote([("any", "any")]).result(timeout_s=30))
+"""
+
+
+def outside_driver(gcs_address: str, app_name: str, env_changes: dict[str, str | None]) -> dict[str, Any]:
+    """An attacker's driver on the cluster network: joins Ray and calls the KV index's `take_all`."""
+    env = {k: v for k, v in {**os.environ, **env_changes}.items() if v is not None}
+    try:
+        done = subprocess.run([sys.executable, "-c", OUTSIDE_DRIVER, gcs_address, app_name], env=env,
+                              capture_output=True, text=True, timeout=90)
+        return {"exit": done.returncode, "said": (done.stdout + done.stderr)[-2000:]}
+    except subprocess.TimeoutExpired as timeout:
+        return {"exit": None, "said": f"timed out: {str(timeout.stderr)[-1000:]}"}
 
 
 def isolate_ray() -> Path:
@@ -209,13 +239,15 @@ def isolate_ray() -> Path:
     records "the latest cluster", which a bare ray.init() elsewhere would otherwise join) and no
     inherited address. Serve's HAProxy ingress, as cluster.yaml starts Ray, with free stats and
     metrics ports (fixed by default; another Serve may be running here). The app's secrets in the
-    variable serve.yaml names, set before any node starts, as cluster.yaml sets it on every node."""
+    variable serve.yaml names and Ray's token authentication, set before any node starts, as
+    cluster.yaml sets them on every node."""
     from app.launch import HAPROXY_ENV
     from app.ports import free_port
 
     ray_tmp = Path(tempfile.mkdtemp(prefix="kvlc-"))  # short: Ray's socket paths live under it
     os.environ.pop("RAY_ADDRESS", None)
     os.environ.update({"RAY_TMPDIR": str(ray_tmp), HAPROXY_ENV: "1",
+                       "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
                        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port("127.0.0.1")),
                        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port("127.0.0.1")),
                        yaml.safe_load((ROOT / "serve.yaml").read_text())["applications"][0]["args"]["secrets_env"]:

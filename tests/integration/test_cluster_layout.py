@@ -84,3 +84,12 @@ def test_later_turns_pull_the_history_from_the_decode_node(layout):
 
 def test_the_conversation_s_tokens_are_those_of_one_plain_engine(layout):
     assert [t["output_ids"] for t in layout["turns"]] == layout["reference_ids"]
+
+
+def test_drivers_without_the_clusters_ray_token_reach_nothing(layout):
+    """Under cluster.yaml's token authentication, a driver on the cluster network that lacks Ray's
+    token (none, or one of its own) cannot join the cluster, so cannot call the KV index."""
+    for name, outcome in layout["outside_drivers"].items():
+        assert outcome["exit"] not in (0, None), f"{name}: {outcome['said']}"
+        assert "took:" not in outcome["said"], name
+        assert "auth" in outcome["said"].lower() or "token" in outcome["said"].lower(), outcome["said"]

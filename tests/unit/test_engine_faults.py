@@ -278,6 +278,16 @@ def test_decode_claims_what_it_trims_in_one_index_call_a_tick():
     assert [h.request_id for h in replica.prefill.release.calls] == ["b", "c", "d"] and not replica.kept
 
 
+def test_a_tenant_past_its_share_of_what_decode_retains_loses_its_own_oldest():
+    """With tenants, one tenant holds at most `tenant_share` of the retained share: 100 of 200 blocks
+    here. The loud tenant's four sequences (132 blocks) lose their oldest; the quiet one keeps its own."""
+    replica = _decode_replica(["a", "b", "c", "d", "e"], held_ids=set("abcde"), pool_blocks=400)
+    replica.config = AppConfig(api_keys={"k1": "loud", "k2": "quiet"})
+    replica.kept = OrderedDict((r, replace(k, tenant="quiet" if r == "e" else "loud")) for r, k in replica.kept.items())
+    asyncio.run(replica._trim())
+    assert [h.request_id for h in replica.prefill.release.calls] == ["a"] and list(replica.kept) == ["b", "c", "d", "e"]
+
+
 def test_decode_counts_every_kept_sequence_while_the_index_does_not_answer():
     replica = _decode_replica(["a", "b"], held_ids=set())
     replica.index.held = SimpleNamespace(remote=lambda keys: asyncio.sleep(10))

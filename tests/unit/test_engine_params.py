@@ -156,3 +156,19 @@ def test_engine_timing_splits_the_first_token_s_wait_from_vllm_s_request_stats()
     assert 240 <= timing.deliver_ms < 1000, "from the first token to now, on the same monotonic clock"
     assert engine_timing(SimpleNamespace(metrics=None), called) is None, "stats off: no timing, no error"
     assert engine_timing(SimpleNamespace(metrics=SimpleNamespace(first_token_ts=0.0)), called) is None
+
+
+def test_the_event_sockets_folder_is_the_user_s_alone(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    import pytest
+
+    from app.engine import private_socket_dir
+
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
+    folder = private_socket_dir()
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    os.chmod(folder, 0o755)  # made by someone else, or opened up: the node's other users could connect
+    with pytest.raises(PermissionError, match="mode 0700"):
+        private_socket_dir()

@@ -67,8 +67,8 @@ def test_per_user_salting_is_opt_in_per_tenant():
     from app.tenants import KeyRing, Unauthorized, cache_scope
 
     keys = KeyRing.of({"ka": "a", "kb": "b"}, ())
-    assert cache_scope("Bearer ka", "u1", keys, ("b",)) == "a"
-    assert cache_scope("Bearer kb", "u1", keys, ("b",)) == "b/u1" != cache_scope("Bearer kb", "u2", keys, ("b",))
-    assert cache_scope(None, "u1", KeyRing(), ()) == "default"
+    assert cache_scope(keys.tenant_of("Bearer ka"), "u1", ("b",)) == "a"
+    assert cache_scope("b", "u1", ("b",)) == "b/u1" != cache_scope("b", "u2", ("b",))
+    assert cache_scope(KeyRing().tenant_of(None), "u1", ()) == "default"
     with pytest.raises(Unauthorized):
-        cache_scope("Bearer nope", None, keys, ())
+        keys.tenant_of("Bearer nope")

@@ -66,9 +66,7 @@ def _body(chat: bool = True, **fields):
 
 @pytest.mark.parametrize("fields, message", [
     ({"n": 2}, "n (one choice per request)"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools (tool calling is not implemented)"),
     ({"logprobs": True, "top_logprobs": 2}, "logprobs (log probabilities are not returned), top_logprobs (log"),
-    ({"response_format": {"type": "json_object"}}, "response_format (not implemented; structured_outputs.regex is)"),
     ({"chat_template": "{{ messages }}"}, "chat_template (a client's template is not run)"),
     ({"use_beam_search": True, "length_penalty": 0.5}, "length_penalty (it applies to beam search only), "
      "use_beam_search (beam search is not implemented)"),
@@ -76,7 +74,7 @@ def _body(chat: bool = True, **fields):
     ({"priority": -5}, "priority (this server sets priorities itself"),
     ({"cache_salt": "mine"}, "cache_salt (this server salts the prefix cache per tenant)"),
     ({"request_id": "abc"}, "request_id (this server names its requests)"),
-    ({"functions": [{"name": "f"}]}, "functions (tool calling is not implemented)"),
+    ({"functions": [{"name": "f"}]}, "functions (deprecated by OpenAI: use tools)"),
 ])
 def test_vllm_s_fields_the_server_does_not_honour_are_refused_by_name_with_why(check, fields, message):
     with pytest.raises(BadRequest, match=re.escape(f"not supported by this server: {message}")):

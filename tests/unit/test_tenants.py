@@ -42,7 +42,7 @@ def test_keys_are_held_as_sha256_digests_and_may_be_configured_as_digests():
 
 def test_without_keys_every_request_is_the_default_tenant():
     assert KeyRing.of({}, ()).tenant_of(None) == DEFAULT_TENANT
-    assert cache_scope("Bearer anything", "u1", KeyRing(), ()) == DEFAULT_TENANT
+    assert cache_scope(KeyRing().tenant_of("Bearer anything"), "u1", ()) == DEFAULT_TENANT
 
 
 def test_every_path_but_the_open_ones_needs_a_key_and_admin_paths_an_admin_key():

@@ -1,0 +1,148 @@
+"""An agent loop through the real app: tool calls parsed by vLLM's own parser (hermes, Qwen3's JSON
+calls), tool results in the history, and every turn after a tool result an append to the previous
+turn's exact tokens. The oracle: one plain vLLM engine fed the same prompt ids and the grammar
+vLLM's parser builds for the same request; its text, parsed by that parser, gives the same calls."""
+
+import json
+
+import pytest
+import ray
+from openai import OpenAI
+
+from tests.integration.conftest import SYSTEM_PROMPT, decisions_by_request
+
+pytestmark = pytest.mark.integration
+MAX_TOKENS = 128
+CITY = {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}
+# strict: vLLM holds the arguments of a required or named call to the schema (its structural tag)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "strict": True,
+                                            "parameters": {"type": "object", "properties": {"city": CITY},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a city.",
+                                         "strict": True,
+                                         "parameters": {"type": "object", "properties": {"city": CITY},
+                                                        "required": ["city"]}}}
+TOOLS = [WEATHER, TIME]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+BODY = {"return_token_ids": True, "chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def no_blank_json(app_config) -> dict[str, float]:
+    """logit_bias against whitespace-only tokens, for the app and the oracle alike: the random-weight
+    model fills JSON with the whitespace the grammar allows until max_tokens (where the grammar
+    requires a blank, as in its fixed markup, it is still the only choice)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(app_config.model_path()))
+    blank = [i for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip() and tokenizer.decode([i])]
+    return {str(i): -100.0 for i in blank}
+
+
+def _vllm_parser(model_path: str):
+    from transformers import AutoTokenizer
+    from vllm.parser import ParserManager
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return tokenizer, ParserManager.get_parser(tool_parser_name="hermes", enable_auto_tools=True, tokenizer=tokenizer)
+
+
+def _vllm_request(messages: list[dict], tool_choice) -> object:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest(model="tiny-qwen3", messages=messages, tools=TOOLS, tool_choice=tool_choice)
+
+
+def _turn(client: OpenAI, messages: list[dict], tool_choice, stream: bool, bias: dict[str, float]) -> dict:
+    """One turn as the app answers it: the message, its token ids and the response's id."""
+    kwargs = dict(model="tiny-qwen3", messages=messages, tools=TOOLS, tool_choice=tool_choice, temperature=0,
+                  max_tokens=MAX_TOKENS, logit_bias=bias, extra_body=BODY)
+    if not stream:
+        response = client.chat.completions.create(**kwargs).model_dump()
+        choice = response["choices"][0]
+        return {"id": response["id"], "message": choice["message"], "finish_reason": choice["finish_reason"],
+                "prompt_ids": response["prompt_token_ids"], "output_ids": choice["token_ids"]}
+    chunks = [c.model_dump() for c in client.chat.completions.create(**kwargs, stream=True)]
+    calls: dict[int, dict] = {}
+    for delta in (c["choices"][0]["delta"] for c in chunks if c["choices"]):
+        for call in delta.get("tool_calls") or ():
+            entry = calls.setdefault(call["index"], {"id": call["id"], "type": "function",
+                                                     "function": {"name": "", "arguments": ""}})
+            entry["function"]["name"] += (call.get("function") or {}).get("name") or ""
+            entry["function"]["arguments"] += (call.get("function") or {}).get("arguments") or ""
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return {"id": chunks[0]["id"], "finish_reason": next(c["choices"][0]["finish_reason"] for c in reversed(chunks)
+                                                          if c["choices"] and c["choices"][0]["finish_reason"]),
+            "message": {"role": "assistant", "content": content, "tool_calls": [calls[i] for i in sorted(calls)]},
+            "prompt_ids": next(c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")),
+            "output_ids": [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or ()]}
+
+
+def _oracle(reference, app_config, turn: dict, messages: list[dict], tool_choice, bias: dict[str, float],
+            stream: bool) -> tuple[list[int], list]:
+    """The plain engine's ids for the turn's prompt under vLLM's grammar for the request, and the
+    calls vLLM's parser reads in its text: whole, or token by token as vLLM's server streams them
+    (its streamed arguments are the model's text, its whole ones re-serialized)."""
+    tokenizer, parser_cls = _vllm_parser(str(app_config.model_path()))
+    request = _vllm_request(messages, tool_choice)
+    request = parser_cls(tokenizer, request.tools, chat_template_kwargs={}, model_config=None).adjust_request(
+        request=request)
+    ids, text = ray.get(reference.replies.remote([turn["prompt_ids"]], MAX_TOKENS, None, {
+        "ignore_eos": False, "structured_outputs": request.structured_outputs, "logit_bias": bias,
+        "skip_special_tokens": request.skip_special_tokens}))[0]
+    parser = parser_cls(tokenizer, request.tools, chat_template_kwargs={}, model_config=None)
+    if not stream:
+        _, _, calls = parser.parse(text, request, enable_auto_tools=True, model_output_token_ids=ids)
+        return ids, [{"name": c.name, "arguments": c.arguments} for c in calls or ()]
+    streamed: dict[int, dict] = {}
+    shown = ""
+    for i, token in enumerate(ids):
+        piece = tokenizer.decode(ids[: i + 1], skip_special_tokens=False)[len(shown):]
+        shown += piece
+        delta = parser.parse_delta(delta_text=piece, delta_token_ids=[token], request=request,
+                                   prompt_token_ids=turn["prompt_ids"], finished=i == len(ids) - 1)
+        for call in delta.tool_calls if delta else ():
+            entry = streamed.setdefault(call.index, {"name": "", "arguments": ""})
+            entry["name"] += call.function.name or "" if call.function else ""
+            entry["arguments"] += call.function.arguments or "" if call.function else ""
+    return ids, [streamed[i] for i in sorted(streamed)]
+
+
+def test_an_agent_loop_s_tool_turns_equal_the_plain_engine_s_and_append_to_their_history(
+        client, http, reference, app_config, no_blank_json):
+    messages = [{"role": "system", "content": f"Tools. {SYSTEM_PROMPT}"},
+                {"role": "user", "content": "What is the weather in Paris, and the time?"}]
+    turns = []
+    for k, (choice, stream) in enumerate([(NAMED, False), ("required", True), ("auto", False)]):
+        turn = _turn(client, messages, choice, stream, no_blank_json)
+        ids, calls = _oracle(reference, app_config, turn, messages, choice, no_blank_json, stream)
+        assert turn["output_ids"] == ids, f"turn {k}"
+        got = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+               for c in turn["message"].get("tool_calls") or ()]
+        assert got == calls, f"turn {k}: the calls vLLM's parser reads in the plain engine's reply"
+        turns.append(turn)
+        if choice == "auto":
+            break
+        assert got and all(c["name"] in ("get_weather", "get_time") for c in got), turn["message"]
+        assert json.loads(got[0]["arguments"])["city"] in CITY["enum"]
+        assert turn["finish_reason"] == ("stop" if choice is NAMED else "tool_calls")
+        messages = [*messages, {"role": "assistant", "content": turn["message"]["content"],
+                                "tool_calls": turn["message"]["tool_calls"]},
+                    *({"role": "tool", "tool_call_id": c["id"], "content": f"{c['function']['name']}: 21 C, 14:05"}
+                      for c in turn["message"]["tool_calls"])]
+    decisions = decisions_by_request(http)
+    for previous, current in zip(turns, turns[1:]):
+        sequence = previous["prompt_ids"] + previous["output_ids"]
+        assert current["prompt_ids"][:len(sequence)] == sequence, "the tool turn appends to the exact history"
+        assert decisions[current["id"]]["rendering"]["cause"] == "none"
+
+
+def test_tools_the_request_does_not_offer_or_bad_tool_choices_are_a_400(http):
+    base = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    for body, field in (({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "tool_choice"),
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice")):
+        response = http.post("/v1/chat/completions", json={**base, **body})
+        assert response.status_code == 400 and field in response.json()["error"]["message"], response.text
