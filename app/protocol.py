@@ -242,6 +242,8 @@ class RetainedBlocks:
     num_prompt_tokens: int
     tenant: str = ""
     """Whose share of decode's retained KV the blocks count against."""
+    paused_until: float = 0.0
+    """Unix time until which the sequence waits out a tool's run: decode's trimming takes it last."""
 
 
 @dataclass(frozen=True)
@@ -322,6 +324,18 @@ class ClientRequest:
 
 
 @dataclass(frozen=True)
+class StoredResponse:
+    """A stored response of /v1/responses (app/responses.py): its conversation as chat messages,
+    the reply included; the KV index keeps it for `previous_response_id`."""
+
+    response_id: str
+    tenant: str
+    messages: tuple[dict[str, Any], ...]
+    created_at: float
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class ReplyStart:
     """The router's first item of a reply, once its prompt is computed: what the response needs
     besides the tokens."""
@@ -329,6 +343,11 @@ class ReplyStart:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     cached_tokens: int
+    max_tokens: int = 16
+    """The reply's length bound as the router resolved it (the request's, else the context's room)."""
+    movable: bool = True
+    """False when the reply's sampling reads the reply so far (SamplingSettings.reads_reply): it
+    cannot move to another router replica mid-reply."""
 
 
 @dataclass(frozen=True)
@@ -384,6 +403,9 @@ class DecodeRequest:
     """vLLM's scheduling priority (lower first): later turns ahead of first turns (app/turn.py)."""
     tenant: str = ""
     """Whose share of decode's retained KV the finished sequence counts against."""
+    tool_pause_s: float = 0.0
+    """The reply may end in tool calls (the request offers tools): its retained sequence waits out
+    the tool's run this long ahead of others (AppConfig.tool_pause_s)."""
 
 
 class Action(str, enum.Enum):

@@ -26,13 +26,13 @@ class NoRouterAlive(RuntimeError):
 
 
 class Relay:
-    def __init__(self, router: Any, request: ClientRequest, max_tokens: int, attempts: int,
-                 movable: bool = True, on_move: Callable[[str], None] = lambda stage: None) -> None:
-        """`router`: a streaming handle to the router; `movable`: False for a reply whose state
-        cannot move (a grammar's, or penalties over the reply so far): it fails with its replica;
-        `on_move(stage)`: counts each move."""
-        self.router, self.request, self.max_tokens = router, request, max_tokens
-        self.attempts, self.movable, self.on_move = attempts, movable, on_move
+    def __init__(self, router: Any, request: ClientRequest, attempts: int,
+                 on_move: Callable[[str], None] = lambda stage: None) -> None:
+        """`router`: a streaming handle to the router; `on_move(stage)`: counts each move. A reply
+        whose state cannot move (ReplyStart.movable: a grammar's, penalties over the reply so far)
+        fails with its replica."""
+        self.router, self.request = router, request
+        self.attempts, self.on_move = attempts, on_move
         self.start: ReplyStart | None = None
         self.sent: list[int] = []
         self.text: list[str] = []
@@ -67,11 +67,11 @@ class Relay:
                 if finished:  # it died recording a finished reply: the client has it all
                     return
                 moves += 1
-                if not self.movable or moves >= self.attempts:
+                if not self.start.movable or moves >= self.attempts:
                     raise NoRouterAlive("the reply's router replica died and it could not move") from exc
                 self._moved(exc, "reply")
                 self.close()
-                if len(self.sent) >= self.max_tokens:  # it died after the last token, before saying so
+                if len(self.sent) >= self.start.max_tokens:  # it died after the last token, before saying so
                     yield ReplyChunk((), "", "length")
                     return
 

@@ -41,6 +41,13 @@ def vllm_request_defaults() -> dict[bool, dict[str, Any]]:
             for chat, model in ((True, VLLMChat), (False, VLLMCompletion))}
 
 
+def vllm_responses_defaults() -> dict[str, Any]:
+    """The fields of vLLM's ResponsesRequest with their defaults (app/responses.py honours some)."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest as VLLMResponses
+
+    return {name: info.get_default(call_default_factory=True) for name, info in VLLMResponses.model_fields.items()}
+
+
 class RequestCheck:
     """vLLM's own checks of a request's sampling parameters, with the model and structured-output
     backend the engines use."""

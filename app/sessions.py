@@ -11,13 +11,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from app.bounded import RecordBounds
 from app.chat import PromptRenderer
 from app.conversations import (
     REASONING_END,
     ConversationRecord,
     ConversationStore,
     HistoryMatch,
-    RecordBounds,
     RenderDiagnostics,
     RenderMode,
     compact,
@@ -78,7 +78,7 @@ class ChatSessions:
         if prompt_ids is None:
             prompt_ids = self.renderer.chat(messages, template_kwargs)
         diagnostics = diagnose(prompt_ids, match, mode, self.block_size, query.last_assistant + 1,
-                               match.record is not None and self._has_reasoning(match.record))
+                               match.record is not None and self._has_reasoning(match.record), time.time())
         first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), 0)
         return RenderedTurn(prompt_ids, diagnostics, query.chain, query.tenant, query.session_key,
                             affinity_key=query.session_key or query.chain[first_user],

@@ -82,6 +82,8 @@ class Turn:
     sampling: SamplingSettings
     tenant: str = ""
     """Whose quotas the turn counts against (decode's retained KV, the records)."""
+    tool_pause_s: float = 0.0
+    """The reply may end in tool calls: decode keeps its sequence this long ahead of others."""
     reverse_pull: bool = True
     rendering: RenderDiagnostics | None = None
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
@@ -473,7 +475,7 @@ class TurnLoop:
         request = DecodeRequest(request_id=f"{turn.request_id}-{role.value[0]}{suffix}",
                                 prompt_token_ids=turn.prompt_token_ids, cache_salt=turn.cache_salt,
                                 sampling=turn.sampling, handoff=None, target_replica_id=target, retain=on_decode,
-                                priority=turn.priority, tenant=turn.tenant)
+                                priority=turn.priority, tenant=turn.tenant, tool_pause_s=turn.tool_pause_s)
         stream = ledger.open_stream = self._stream(role, request)
         with self.journal.queued(target, len(turn.prompt_token_ids) - decision.tokens_local, turn.later):
             try:
@@ -496,7 +498,7 @@ class TurnLoop:
         return DecodeRequest(request_id=f"{turn.request_id}-d", prompt_token_ids=prompt, cache_salt=turn.cache_salt,
                              sampling=sampling, handoff=prepared.prefill.handoff,
                              target_replica_id=retained.replica_id if retained else "", priority=CONTINUATION_PRIORITY,
-                             tenant=turn.tenant)
+                             tenant=turn.tenant, tool_pause_s=turn.tool_pause_s)
 
     def _continue(self, request: DecodeRequest) -> ReplyStream:
         """Stream `request` on a live decode replica (its preferred one if live), else compute it

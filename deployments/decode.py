@@ -5,8 +5,9 @@ for the next turn. router ──DecodeRequest──▶ generate() ──ReplyChu
 Kept sequences are a cache, not a reservation: past `limits.retained_pool_share` of the pool (counting
 only what the index still holds: later turns take the rest), or while requests wait for blocks
 (waiting, with the pool at least `limits.retained_yield_usage` full), the oldest are taken out of
-the index and released. With tenants, one tenant's past `limits.tenant_share` of that share are its
-own oldest released (tenant_share): its long conversations cannot push out the others'.
+the index and released. With tenants, what trimming for the pool share releases comes first from the
+tenants past `limits.tenant_share` of that share, their oldest (tenant_share): one tenant's long
+conversations cannot push out the others'; while the pool share has room, any tenant may use it.
 """
 
 import asyncio
@@ -59,23 +60,29 @@ class DecodeServer(EngineReplica):
     async def _trim(self) -> None:
         await self._forget_taken()
         load, limits = self.engine.load, self.config.limits
-        over = self.kept_blocks(time.time()) - int(self.engine.pool_blocks * limits.retained_pool_share)
+        budget = int(self.engine.pool_blocks * limits.retained_pool_share)
+        over = self.kept_blocks(time.time()) - budget
+        if over > 0 and self.config.tenant_quotas:
+            over -= await self._trim_tenants(int(budget * limits.tenant_share), over)
         if over > 0:
             await self._release_oldest(over, "pool_share")
         # Requests also wait for the step's token budget, with the pool far from full: releasing then
         # only cost later turns their KV (90 releases a sweep at 64 conversations, at most 22 % usage).
         elif load.num_waiting_reqs > 0 and load.kv_cache_usage >= limits.retained_yield_usage:
             await self._release_oldest(0, "waiting", at_least_one=True)
-        if self.config.tenant_quotas:
-            await self._trim_tenants(int(self.engine.pool_blocks * limits.retained_pool_share * limits.tenant_share))
 
-    async def _trim_tenants(self, quota: int) -> None:
+    async def _trim_tenants(self, quota: int, blocks: int) -> int:
+        """Release up to `blocks` from the tenants past `quota`, furthest past first; the blocks released."""
         held: dict[str, int] = {}
         for retained in self.kept.values():
             held[retained.tenant] = held.get(retained.tenant, 0) + _blocks(retained)
-        for tenant, blocks in held.items():
-            if blocks > quota:
-                await self._release_oldest(blocks - quota, "tenant_share", tenant=tenant)
+        released = 0
+        for tenant, tenant_blocks in sorted(held.items(), key=lambda item: -item[1]):
+            if tenant_blocks <= quota or released >= blocks:
+                break
+            released += await self._release_oldest(min(tenant_blocks - quota, blocks - released), "tenant_share",
+                                                   tenant=tenant)
+        return released
 
     async def _forget_taken(self) -> None:
         """Stop counting the kept sequences a later turn took (pulled, or continued here and
@@ -96,20 +103,19 @@ class DecodeServer(EngineReplica):
                 self.kept.pop(key[1], None)
 
     async def _release_oldest(self, blocks: int, cause: str, at_least_one: bool = False,
-                              tenant: str | None = None) -> None:
+                              tenant: str | None = None) -> int:
         """Take the oldest kept sequences (of `tenant`, if given) out of the index until they cover
         `blocks` (with `at_least_one`, until one of them was still there) and release what the index
-        handed over.
-        A sequence taken since it was counted (or not yet recorded when `_forget_taken` asked)
-        leaves the pool anyway, so it counts against `blocks`. One index call a tick: a call per
-        kept sequence was one per reply once the pool share bound."""
-        timeout = self.config.limits.bookkeeping_timeout_s
+        handed over; the blocks that left the pool. A sequence taken since it was counted (or not yet
+        recorded when `_forget_taken` asked) leaves the pool anyway, so it counts against `blocks`.
+        One index call a tick: a call per kept sequence was one per reply once the pool share bound."""
+        timeout, left = self.config.limits.bookkeeping_timeout_s, 0
         while self.kept and (blocks > 0 or at_least_one):
-            oldest, covered = self._oldest(max(blocks, 1), tenant)
+            oldest, covered = self._oldest(max(blocks, 1), tenant, waits_for_blocks=cause == "waiting")
             if not oldest:
-                return
+                break
             chosen = {r.handoff.request_id: r for r in oldest}
-            blocks -= covered
+            blocks, left = blocks - covered, left + covered
             for request_id in chosen:
                 del self.kept[request_id]
             keys = [(self.replica_id, request_id) for request_id in chosen]
@@ -119,12 +125,15 @@ class DecodeServer(EngineReplica):
                 self.kept_released += 1
                 self.released_metric.inc(1, {"cause": cause})
                 logger.info("released retained sequence %s (%s)", request_id, cause)
+        return left
 
-    def _oldest(self, blocks: int, tenant: str | None) -> tuple[list[RetainedBlocks], int]:
+    def _oldest(self, blocks: int, tenant: str | None, waits_for_blocks: bool) -> tuple[list[RetainedBlocks], int]:
         """The oldest kept sequences (of `tenant`, if given) whose blocks add up to at least `blocks`,
-        and their blocks."""
-        chosen, covered = [], 0
-        for retained in self.kept.values():
+        and their blocks; those waiting out a tool's run last, unless requests wait for blocks."""
+        chosen, covered, now = [], 0, time.time()
+        order = self.kept.values() if waits_for_blocks else sorted(self.kept.values(),
+                                                                    key=lambda r: r.paused_until > now)
+        for retained in order:
             if covered >= blocks:
                 break
             if tenant is not None and retained.tenant != tenant:

@@ -142,7 +142,8 @@ class EngineReplica:
         sequence = (*request.prompt_token_ids, *generated)
         retained = RetainedBlocks(replica_id=self.replica_id, handoff=handoff,
                                   token_ids=sequence[:handoff.num_tokens],
-                                  num_prompt_tokens=len(request.prompt_token_ids), tenant=request.tenant)
+                                  num_prompt_tokens=len(request.prompt_token_ids), tenant=request.tenant,
+                                  paused_until=time.time() + request.tool_pause_s if request.tool_pause_s else 0.0)
         self.on_retained(retained)
         return retained
 

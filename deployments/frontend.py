@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from ray import serve
 from ray.serve import metrics
 from ray.serve.context import _get_global_client
@@ -28,12 +29,12 @@ from ray.serve.exceptions import BackPressureError
 from app.chat import BadRequest
 from app.config import AppConfig
 from app.openai_api import (
-    DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     ResponseShape,
     error_body,
+    refused_fields,
     sse,
     usage,
 )
@@ -41,6 +42,8 @@ from app.protocol import ClientRequest
 from app.relay import Admission, NoRouterAlive, Relay
 from app.reply import EngineRefused, NoEngineAlive, StageTimeout
 from app.reply_parsing import ReplyParsing
+from app.request_check import vllm_responses_defaults
+from app.responses import ResponsesRequest
 from app.routing import NoPrefillReplica
 from app.tenants import KeyRing, Unauthorized, open_api_refusal
 from deployments.http_guard import HttpGuard, error_response, open_paths, serve_docs
@@ -98,6 +101,7 @@ class Frontend:
     def __init__(self, config: AppConfig, router) -> None:
         self.config, self.limits = config, config.limits
         self.parsing = ReplyParsing.of(config)
+        self.responses_defaults = vllm_responses_defaults()
         self.router = router.options(_by_reference=False)
         self.streams = router.options(stream=True, _by_reference=False)
         api.state.max_request_bytes, api.state.retry_after_s = self.limits.max_request_bytes, self.limits.retry_after_s
@@ -166,18 +170,37 @@ class Frontend:
     async def completions(self, body: CompletionRequest, authorization: str | None = Header(None)):
         return await self._serve(body, ClientRequest(body, authorization), chat=False)
 
+    @api.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest, authorization: str | None = Header(None),
+                        x_session_id: str | None = Header(None)):
+        if message := refused_fields(body.model_extra or {}, self.responses_defaults):
+            raise BadRequest(message)
+        previous = None
+        if body.previous_response_id:
+            previous = await self.router.load_response.remote(authorization, body.previous_response_id)
+            if previous is None:
+                return error_response(f"previous_response_id: no stored response {body.previous_response_id!r} "
+                                      "(unknown, expired, or not this API key's)", 404)
+        try:
+            chat = ChatCompletionRequest.model_validate(body.chat_body(previous))
+        except ValidationError as exc:
+            raise BadRequest(f"invalid request: {exc.errors()[0]['msg']}") from None
+        completion = await self._serve(chat, ClientRequest(chat, authorization, x_session_id), chat=True)
+        if isinstance(completion, JSONResponse):
+            return completion
+        response, stored = body.response(completion, chat.template_messages(), api.state.keys.tenant_of(authorization))
+        if body.store and not await self.router.store_response.remote(stored):
+            response["store"] = False  # the index did not answer: this id continues nothing
+        return response
+
     async def _serve(self, body: GenerationRequest, request: ClientRequest, chat: bool):
         if body.model and body.model != self.config.model_name:
             return error_response(f"the model {body.model!r} does not exist; this server serves "
                                   f"{self.config.model_name!r}", 404)
         if problem := body.over_limits(self.limits):
             raise BadRequest(problem)
-        sampling = body.sampling(DEFAULT_MAX_TOKENS)
         parsed = self.parsing.vllm_request(body) if chat and self.parsing.applies(body) else None
-        relay = Relay(self.streams, request, sampling.max_tokens, ROUTER_ATTEMPTS,
-                      # a grammar's or penalties' state cannot move
-                      movable=not (sampling.reads_reply or chat and body.forces_tool_call),
-                      on_move=lambda stage: self.moves.inc(1, {"stage": stage}))
+        relay = Relay(self.streams, request, ROUTER_ATTEMPTS, on_move=lambda stage: self.moves.inc(1, {"stage": stage}))
         if (release := self.admission.admit(relay, api.state.keys.tenant_of(request.authorization))) is None:
             if self.admission.full:
                 return error_response("the server is at its request limit; retry shortly", 503,

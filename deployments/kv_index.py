@@ -14,10 +14,20 @@ from ray import serve
 from ray.serve import metrics
 
 from app import kv_events
+from app.bounded import TenantLRU
 from app.config import AppConfig
 from app.conversations import ConversationStore, HistoryMatch
 from app.kv_index import KVIndex, SequenceKey
-from app.protocol import KVEvents, Membership, PrefixLookup, ReplicaInfo, RetainedBlocks, Role, TurnRecords
+from app.protocol import (
+    KVEvents,
+    Membership,
+    PrefixLookup,
+    ReplicaInfo,
+    RetainedBlocks,
+    Role,
+    StoredResponse,
+    TurnRecords,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -35,6 +45,7 @@ class KVIndexServer:
         self.index = KVIndex(block_size=config.block_size, hash_seed=config.prefix_hash_seed,
                              hash_algo=config.prefix_hash_algo)
         self.conversations = ConversationStore(config.record_bounds)
+        self.responses: TenantLRU[StoredResponse] = TenantLRU(config.record_bounds)
         self._expiry_task = asyncio.get_event_loop().create_task(self._expire_forever())
         self._size = metrics.Gauge("kv_loop_index_size", "KV index entries by kind.", tag_keys=("entries",))
         self.events_applied = 0
@@ -96,6 +107,21 @@ class KVIndexServer:
                                  session_key: str | None) -> HistoryMatch:
         return self.conversations.match(chain, last_assistant, session_key)
 
+    async def store_response(self, stored: StoredResponse) -> bool:
+        self.responses.put(stored.response_id, stored, stored.tenant, stored.nbytes)
+        return True
+
+    async def load_response(self, tenant: str, response_id: str) -> StoredResponse | None:
+        """The stored response, for its own tenant only, within `conversation_ttl_s`."""
+        stored = self.responses.get(response_id)
+        if stored is None or stored.tenant != tenant:
+            return None
+        if time.time() - stored.created_at > self.config.conversation_ttl_s:
+            self.responses.drop(response_id)
+            return None
+        return stored
+
     async def stats(self) -> dict[str, int]:
         return {**self.index.stats(), "conversations": len(self.conversations),
-                "conversation_bytes": self.conversations.nbytes, "events_applied": self.events_applied}
+                "conversation_bytes": self.conversations.nbytes, "responses": len(self.responses),
+                "response_bytes": self.responses.nbytes, "events_applied": self.events_applied}

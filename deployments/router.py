@@ -25,8 +25,8 @@ from app.config import TINY_MODEL, AppConfig, Device
 from app.ledger import TurnLedger
 from app.metrics import TurnMetrics, kv_bytes_per_token
 from app.model.tiny import ensure_tiny_model
-from app.openai_api import DEFAULT_MAX_TOKENS, ChatCompletionRequest, GenerationRequest
-from app.protocol import ClientRequest, ReplyChunk, ReplyStart, Resume, Role, SamplingSettings
+from app.openai_api import ChatCompletionRequest, GenerationRequest
+from app.protocol import ClientRequest, ReplyChunk, ReplyStart, Resume, Role, SamplingSettings, StoredResponse
 from app.reply_parsing import ReplyParsing
 from app.request_check import RequestCheck
 from app.sessions import ChatSessions, HistoryQuery, RenderedTurn
@@ -60,6 +60,8 @@ class Router:
         self.render_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
         self.sessions = ChatSessions(self.renderer, config.block_size, config.record_bounds)
         self.reply_parsing = ReplyParsing.of(config, self.renderer.tokenizer)
+        self.generation_defaults = self.request_check.model.get_diff_sampling_param()
+        """The model's generation config (vLLM applies it to what a request leaves unset)."""
         metrics = TurnMetrics(kv_bytes_per_token(config.model_path()))
         self.loop = TurnLoop(config, index, prefill, decode, metrics)
         # Take requests once the index answered (or the wait ran out: the index may be restarting).
@@ -79,6 +81,13 @@ class Router:
                 "nixl_backends": {role: sorted({b for r in replicas for b in engines.load(r).nixl_backends})
                                   for role, replicas in live.items()}}
 
+    async def store_response(self, stored: StoredResponse) -> bool:
+        """Keep a /v1/responses conversation in the KV index (False: the index did not answer)."""
+        return bool(await self.loop.ask_index("store_response", stored))
+
+    async def load_response(self, authorization: str | None, response_id: str) -> StoredResponse | None:
+        return await self.loop.ask_index("load_response", self.keys.tenant_of(authorization), response_id)
+
     async def decisions(self, n: int) -> list[dict[str, Any]]:
         return list(self.loop.decisions)[-n:]
 
@@ -89,7 +98,8 @@ class Router:
         tenant = self.keys.tenant_of(request.authorization)
         scope = cache_scope(tenant, body.user, self.config.per_user_salt_tenants)
         self.request_check.check_fields(body)
-        sampling = body.sampling(DEFAULT_MAX_TOKENS)
+        # max_tokens is resolved once the prompt's length is known (_turn)
+        sampling = body.sampling(body.requested_max_tokens or 1, self.generation_defaults)
         if isinstance(body, ChatCompletionRequest):
             sampling = self.reply_parsing.constrain(body, sampling)
         if RequestCheck.needs_tokenizer(sampling):  # before any engine sees it
@@ -109,7 +119,9 @@ class Router:
         try:
             prepared = await self.loop.prepare(turn, ledger)
             resume = request.resume or Resume((), (), "", prepared.cached_tokens)
-            yield ReplyStart(turn.request_id, tuple(prompt_ids), resume.cached_tokens)
+            yield ReplyStart(turn.request_id, tuple(prompt_ids), resume.cached_tokens,
+                             max_tokens=turn.sampling.max_tokens + len(resume.sent_token_ids),
+                             movable=not turn.sampling.reads_reply)
             generated, text = list(resume.sent_token_ids), [resume.sent_text]
             async with aclosing(self.loop.reply(prepared)) as reply:
                 async for chunk in reply:
@@ -124,12 +136,19 @@ class Router:
 
     def _turn(self, body: GenerationRequest, sampling: SamplingSettings, prompt_ids: list[int], scope: str,
               tenant: str, rendered: RenderedTurn | None, resume: Resume | None, received_at: float) -> Turn:
-        self.renderer.check_fits(prompt_ids, sampling.max_tokens)
+        from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+        self.renderer.check_fits(prompt_ids, body.requested_max_tokens or 1)
+        # vLLM's own rule: the request's max_tokens, else the generation config's, within the context
+        max_tokens = get_max_tokens(self.config.max_model_len, body.requested_max_tokens, len(prompt_ids),
+                                    self.generation_defaults)
+        sampling = replace(sampling, max_tokens=max_tokens)
         sent = resume.sent_token_ids if resume else ()
         chat = rendered is not None
         return Turn(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                     prompt_token_ids=(*prompt_ids, *sent), cache_salt=cache_salt(scope, self.config.salt_secret),
                     sampling=sampling.after(len(sent)), tenant=tenant,
+                    tool_pause_s=self.config.tool_pause_s if body.may_call_tools else 0.0,
                     reverse_pull=self.config.reverse_pull and body.reverse_pull is not False,
                     rendering=rendered.diagnostics if rendered else None,
                     routing_policy=body.routing_policy or self.config.routing_policy,

@@ -135,7 +135,9 @@ def test_an_agent_loop_s_tool_turns_equal_the_plain_engine_s_and_append_to_their
     for previous, current in zip(turns, turns[1:]):
         sequence = previous["prompt_ids"] + previous["output_ids"]
         assert current["prompt_ids"][:len(sequence)] == sequence, "the tool turn appends to the exact history"
-        assert decisions[current["id"]]["rendering"]["cause"] == "none"
+        rendering = decisions[current["id"]]["rendering"]
+        assert rendering["cause"] == "none" and rendering["shared_tokens"] == len(sequence), rendering
+        assert rendering["pause_s"] > 0, "the decision log says how long the tool ran before the reuse"
 
 
 def test_tools_the_request_does_not_offer_or_bad_tool_choices_are_a_400(http):

@@ -278,14 +278,28 @@ def test_decode_claims_what_it_trims_in_one_index_call_a_tick():
     assert [h.request_id for h in replica.prefill.release.calls] == ["b", "c", "d"] and not replica.kept
 
 
-def test_a_tenant_past_its_share_of_what_decode_retains_loses_its_own_oldest():
-    """With tenants, one tenant holds at most `tenant_share` of the retained share: 100 of 200 blocks
-    here. The loud tenant's four sequences (132 blocks) lose their oldest; the quiet one keeps its own."""
-    replica = _decode_replica(["a", "b", "c", "d", "e"], held_ids=set("abcde"), pool_blocks=400)
-    replica.config = AppConfig(api_keys={"k1": "loud", "k2": "quiet"})
-    replica.kept = OrderedDict((r, replace(k, tenant="quiet" if r == "e" else "loud")) for r, k in replica.kept.items())
-    asyncio.run(replica._trim())
-    assert [h.request_id for h in replica.prefill.release.calls] == ["a"] and list(replica.kept) == ["b", "c", "d", "e"]
+def test_a_tenant_past_its_share_of_what_decode_retains_loses_its_own_oldest_when_the_pool_share_binds():
+    """With tenants, one tenant holds at most `tenant_share` of the retained share (75 of 150 blocks
+    here) once the share binds: over it by 15 blocks, decode releases the loud tenant's oldest, not
+    the oldest of all (the quiet tenant's). Under the share, nothing goes: room is anyone's."""
+    for pool, released in ((300, ["a"]), (400, [])):
+        replica = _decode_replica(["e", "a", "b", "c", "d"], held_ids=set("abcde"), pool_blocks=pool)
+        replica.config = AppConfig(api_keys={"k1": "loud", "k2": "quiet"})
+        replica.kept = OrderedDict((r, replace(k, tenant="quiet" if r == "e" else "loud"))
+                                   for r, k in replica.kept.items())
+        asyncio.run(replica._trim())
+        assert [h.request_id for h in replica.prefill.release.calls] == released, pool
+
+
+def test_a_sequence_waiting_out_a_tool_s_run_is_trimmed_last_unless_requests_wait_for_blocks():
+    """Over the pool share by one sequence: the oldest one not paused for a tool goes. Requests
+    waiting for blocks take the oldest, paused or not."""
+    waiting = LoadReport(num_waiting_reqs=2, kv_cache_usage=0.95)
+    for pool, load, released in ((180, LoadReport(), ["b"]), (1000, waiting, ["a"])):
+        replica = _decode_replica(["a", "b", "c"], held_ids={"a", "b", "c"}, pool_blocks=pool, load=load)
+        replica.kept["a"] = replace(replica.kept["a"], paused_until=time.time() + 30)
+        asyncio.run(replica._trim())
+        assert [h.request_id for h in replica.prefill.release.calls][:1] == released, load
 
 
 def test_decode_counts_every_kept_sequence_while_the_index_does_not_answer():

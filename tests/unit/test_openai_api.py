@@ -118,3 +118,13 @@ def test_fields_that_ask_an_engine_for_unbounded_work_are_bounded():
     assert "3 strings" in problem(stop=["a", "b", "c"])
     assert "9 characters" in problem(stop="x" * 9)
     assert "17 bytes" in problem(structured_outputs={"regex": "a" * 17})
+
+
+def test_the_model_s_generation_config_fills_what_the_request_leaves_unset():
+    """As vLLM's server applies generation_config.json (get_diff_sampling_param): a value the client
+    sets wins, even vLLM's neutral one."""
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
+    unset = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).sampling(8, defaults)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.repetition_penalty) == (0.6, 0.95, 20, 1.05)
+    given = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], temperature=1.0, top_k=0)
+    assert (given.sampling(8, defaults).temperature, given.sampling(8, defaults).top_k) == (1.0, 0)

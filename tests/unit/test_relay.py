@@ -2,6 +2,7 @@
 plus the tokens already sent (fakes for the router: the real kill is in tests/integration/test_faults.py)."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -9,7 +10,7 @@ from ray.exceptions import ActorDiedError
 from app.protocol import ClientRequest, ReplyChunk, ReplyStart
 from app.relay import NoRouterAlive, Relay
 
-START = ReplyStart("chatcmpl-1", (1, 2, 3), cached_tokens=2)
+START = ReplyStart("chatcmpl-1", (1, 2, 3), cached_tokens=2, max_tokens=5)
 
 
 class Stream:
@@ -41,8 +42,8 @@ class Router:
         return self.streams[-1]
 
 
-def _relay(router: Router, max_tokens: int = 5, movable: bool = True) -> tuple[Relay, list[ReplyChunk]]:
-    relay = Relay(router, ClientRequest(body=None), max_tokens, attempts=3, movable=movable)
+def _relay(router: Router) -> tuple[Relay, list[ReplyChunk]]:
+    relay = Relay(router, ClientRequest(body=None), attempts=3)
 
     async def run():
         await relay.begin()
@@ -76,7 +77,7 @@ def test_a_finished_reply_is_not_extended_when_its_router_dies_afterwards():
 
 def test_a_grammar_reply_does_not_move_and_a_router_that_keeps_dying_gives_up():
     with pytest.raises(NoRouterAlive):
-        _relay(Router([START, ReplyChunk((7,), " a"), ActorDiedError()]), movable=False)
+        _relay(Router([replace(START, movable=False), ReplyChunk((7,), " a"), ActorDiedError()]))
     with pytest.raises(NoRouterAlive):
         _relay(Router(*[[START, ActorDiedError()]] * 3))
 
@@ -87,9 +88,9 @@ def test_admission_holds_a_place_per_reply_until_it_ends_or_its_relay_is_dropped
     from app.relay import Admission
 
     admission = Admission(capacity=2, tenant_capacity=2)
-    first, second = (Relay(None, None, 8, 3) for _ in range(2))
+    first, second = (Relay(None, None, 3) for _ in range(2))
     release_first, _ = admission.admit(first, "t"), admission.admit(second, "u")
-    assert admission.admit(Relay(None, None, 8, 3), "v") is None and admission.full  # full: refused
+    assert admission.admit(Relay(None, None, 3), "v") is None and admission.full  # full: refused
     release_first()
     release_first()  # a reply's end may be reported twice (stream and caller): counted once
     assert admission.held == 1
@@ -102,7 +103,7 @@ def test_one_tenant_holds_at_most_its_share_of_the_places():
     from app.relay import Admission
 
     admission = Admission(capacity=4, tenant_capacity=2)
-    relays = [Relay(None, None, 8, 3) for _ in range(4)]
+    relays = [Relay(None, None, 3) for _ in range(4)]
     release = admission.admit(relays[0], "greedy")
     assert admission.admit(relays[1], "greedy") is not None
     assert admission.admit(relays[2], "greedy") is None and not admission.full  # its share: 429, not 503
