@@ -4,7 +4,7 @@ Greedy turns with token ids (vLLM's return_token_ids extension) and client-side 
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from openai import OpenAI
@@ -25,6 +25,8 @@ class TurnResult:
     second_chunk_s: float = 0.0
     """When the second content chunk arrived (0: one chunk, or not streamed): decode's first, where
     prefill sent the first token."""
+    tool_calls: list[dict] = field(default_factory=list)
+    """The reply's tool calls as a chat message carries them (streamed deltas joined)."""
 
     @property
     def itl_s(self) -> float:
@@ -48,8 +50,9 @@ def chat_turn(client: OpenAI, messages: list[dict], max_tokens: int, stream: boo
     elapsed = time.perf_counter() - start
     choice = response["choices"][0]
     return TurnResult(response["id"], response.get("prompt_token_ids") or [], choice.get("token_ids") or [],
-                      choice["message"]["content"], _cached(response["usage"]), ttft_s=elapsed, e2e_s=elapsed,
-                      prompt_tokens=response["usage"]["prompt_tokens"])
+                      choice["message"]["content"] or "", _cached(response["usage"]), ttft_s=elapsed, e2e_s=elapsed,
+                      prompt_tokens=response["usage"]["prompt_tokens"],
+                      tool_calls=choice["message"].get("tool_calls") or [])
 
 
 def completion_turn(client: OpenAI, prompt_ids: list[int], max_tokens: int, model: str = "tiny-qwen3",
@@ -80,4 +83,19 @@ def _streamed(create, kwargs: dict[str, Any], content_of) -> TurnResult:
                       ttft_s=arrivals[0] if arrivals else time.perf_counter() - start,
                       e2e_s=time.perf_counter() - start, prompt_tokens=usage["prompt_tokens"],
                       last_token_s=arrivals[-1] if arrivals else 0.0,
-                      second_chunk_s=arrivals[1] if len(arrivals) > 1 else 0.0)
+                      second_chunk_s=arrivals[1] if len(arrivals) > 1 else 0.0,
+                      tool_calls=_joined_tool_calls(choices))
+
+
+def _joined_tool_calls(choices: list[dict]) -> list[dict]:
+    """Streamed tool-call deltas joined by index: id, type and name from the first, arguments appended."""
+    calls: dict[int, dict] = {}
+    for choice in choices:
+        for delta in (choice.get("delta") or {}).get("tool_calls") or ():
+            call = calls.setdefault(delta["index"], {"id": "", "type": "function",
+                                                     "function": {"name": "", "arguments": ""}})
+            call["id"] = delta.get("id") or call["id"]
+            function = delta.get("function") or {}
+            call["function"]["name"] += function.get("name") or ""
+            call["function"]["arguments"] += function.get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]

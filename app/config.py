@@ -119,6 +119,9 @@ class Limits:
     max_token_rules: int = 256
     """Entries of `stop_token_ids`, `bad_words` or `logit_bias` (each) above this get 400: vLLM applies
     each at every step of the reply, bad words one by one."""
+    max_logprobs: int = 20
+    """Candidates per token a request may ask for (`top_logprobs`, completions' `logprobs`): vLLM's
+    max_logprobs of every engine, checked in the router. Each costs a sort over the vocabulary."""
     tenant_share: float = 0.5
     """With api_keys set, the share one tenant may hold of a frontend replica's admission places
     (router_holds; past it: 429 + Retry-After), and its share of the conversation records' bytes
@@ -169,7 +172,7 @@ class Limits:
             "router_max_queued_requests", "engine_max_queued_requests", "index_max_queued_requests",
             "bookkeeping_timeout_s", "index_wait_at_start_s", "prefill_timeout_s", "first_chunk_timeout_s",
             "stream_idle_timeout_s", "max_request_bytes", "max_messages", "max_regex_bytes", "render_timeout_s",
-            "max_stop_strings", "max_stop_chars", "max_token_rules", "client_write_timeout_s",
+            "max_stop_strings", "max_stop_chars", "max_token_rules", "max_logprobs", "client_write_timeout_s",
             "heartbeat_interval_s", "health_check_period_s", "drain_timeout_s", "retained_trim_interval_s")}
         failed = [f"limits.{name} must be > 0" for name, value in positive.items() if value <= 0]
         if self.registration_ttl_s < 2 * self.heartbeat_interval_s:
@@ -637,7 +640,7 @@ APP_ENGINE_ARGS = frozenset({
     "distributed_executor_backend", "gpu_memory_utilization", "num_gpu_blocks_override", "stream_interval",
     "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "scheduling_policy",
     "scheduler_cls", "kv_transfer_config", "worker_extension_cls", "kv_events_config", "disable_log_stats",
-    "reasoning_parser"})
+    "reasoning_parser", "max_logprobs"})
 """The vLLM engine arguments app/engine.py sets from the app's own keys (a test keeps them equal)."""
 
 

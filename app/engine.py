@@ -22,7 +22,7 @@ from app.idle_poll import IDLE_POLL_ENV
 from app.metrics import kv_bytes_per_token
 from app.nixl_worker import POLL_DELAY_ENV
 from app.ports import free_port
-from app.protocol import EngineEndpoint, EngineTiming, KVHandoff, LoadReport, Role, SamplingSettings
+from app.protocol import EngineEndpoint, EngineTiming, KVHandoff, LoadReport, Role, SamplingSettings, TokenLogprobs
 
 DEAD_ENGINE_POLL_S = 0.1
 """How often a request waiting on the engine checks that the engine process lives."""
@@ -227,6 +227,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         **config.engine_kwargs,
         model=path, tokenizer=path, served_model_name=[config.model_name], dtype=config.engine_dtype,
         reasoning_parser=config.reasoning_parser,  # a grammar starts where the reasoning ends
+        max_logprobs=config.limits.max_logprobs,
         block_size=config.block_size, max_model_len=config.max_model_len,
         enforce_eager=config.enforce_eager, enable_prefix_caching=group.prefix_caching,
         prefix_caching_hash_algo=config.prefix_hash_algo,
@@ -284,8 +285,16 @@ def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, An
         include_stop_str_in_output=settings.include_stop_str_in_output, ignore_eos=settings.ignore_eos,
         logit_bias=dict(settings.logit_bias) or None, allowed_token_ids=None if allowed is None else list(allowed),
         skip_special_tokens=settings.skip_special_tokens,
-        spaces_between_special_tokens=settings.spaces_between_special_tokens,
+        spaces_between_special_tokens=settings.spaces_between_special_tokens, logprobs=settings.logprobs,
         structured_outputs=structured, extra_args={"kv_transfer_params": kv_transfer_params})
+
+
+def token_logprobs(completion: Any) -> tuple[TokenLogprobs, ...] | None:
+    """vLLM's logprobs of a completion's new tokens as plain tuples (they cross deployments)."""
+    if completion.logprobs is None:
+        return None
+    return tuple(tuple((token_id, p.logprob, p.rank, p.decoded_token) for token_id, p in step.items())
+                 for step in completion.logprobs)
 
 
 # ---- kv_transfer_params, both directions ------------------------------------------------------

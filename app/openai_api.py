@@ -12,6 +12,7 @@ records decide what is pulled from where. A client-supplied `chat_template` is r
 fields are checked by vLLM's own code in the router, not by a copy of its rules.
 """
 
+import functools
 import json
 import time
 from collections.abc import Mapping
@@ -22,24 +23,27 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from app.config import Limits
 from app.conversations import RenderMode
-from app.protocol import SamplingSettings
+from app.protocol import SamplingSettings, TokenLogprobs
 from app.routing import RoutingPolicy
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
-_LOGPROBS = "log probabilities are not returned"
+NOT_IMPLEMENTED_TEXT = "tokens are returned as text (return_token_ids gives their ids)"
+_ONE_CHOICE = ("one choice per request: a reply is a turn whose KV decode keeps for the conversation's next one; "
+               "send a request per choice")
 _RENDERING = "conversations are rendered append-only with the model's own chat template"
 _TEXT_ONLY = "this server reads and returns text only"
 REFUSED_BECAUSE = {
     "functions": "deprecated by OpenAI: use tools", "function_call": "deprecated by OpenAI: use tool_choice",
-    "n": "one choice per request", "best_of": "one choice per request",
+    "n": _ONE_CHOICE, "best_of": _ONE_CHOICE,
     "use_beam_search": "beam search is not implemented", "length_penalty": "it applies to beam search only",
-    "logprobs": _LOGPROBS, "top_logprobs": _LOGPROBS, "prompt_logprobs": _LOGPROBS, "logprob_token_ids": _LOGPROBS,
-    "return_tokens_as_token_ids": _LOGPROBS,
+    "prompt_logprobs": "a prompt's history is mostly not computed at all (its KV is reused), so it has none",
+    "logprob_token_ids": "not implemented: top_logprobs is", "return_tokens_as_token_ids": NOT_IMPLEMENTED_TEXT,
     "chat_template": "a client's template is not run",
     "add_generation_prompt": _RENDERING, "continue_final_message": _RENDERING, "add_special_tokens": _RENDERING,
     "documents": _RENDERING,
-    "reasoning_effort": "no reasoning parser runs here; chat_template_kwargs (enable_thinking) is honoured",
-    "include_reasoning": "no reasoning parser runs here", "thinking_token_budget": "no reasoning parser runs here",
+    "reasoning_effort": "the model's template takes chat_template_kwargs (enable_thinking)",
+    "include_reasoning": "reasoning is returned apart whenever the config names a reasoning_parser",
+    "thinking_token_budget": "not implemented",
     "echo": "the prompt is not echoed", "suffix": "not implemented",
     "truncate_prompt_tokens": "prompts are not truncated", "truncation_side": "prompts are not truncated",
     "media_io_kwargs": _TEXT_ONLY, "mm_processor_kwargs": _TEXT_ONLY, "mm_payload": _TEXT_ONLY,
@@ -253,7 +257,8 @@ class GenerationRequest(BaseModel):
                                 logit_bias=tuple((self.logit_bias or {}).items()),
                                 allowed_token_ids=None if allowed is None else tuple(allowed),
                                 skip_special_tokens=self.skip_special_tokens,
-                                spaces_between_special_tokens=self.spaces_between_special_tokens)
+                                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                                logprobs=self.sample_logprobs)
 
     def over_limits(self, limits: Limits) -> str | None:
         """What in the request exceeds the server's bounds on work a field can ask of an engine:
@@ -279,6 +284,11 @@ class GenerationRequest(BaseModel):
         return False
 
     @property
+    def sample_logprobs(self) -> int | None:
+        """vLLM's SamplingParams.logprobs: candidates per token besides the sampled one; None: none."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return not self.stream or bool(self.stream_options and self.stream_options.include_usage)
 
@@ -292,10 +302,21 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     conversation_mode: RenderMode | None = None
     """This project's extension: how to render history for this request (default: the config's)."""
+    logprobs: bool = False
+    top_logprobs: int | None = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_logprob_checks(cls, body: Any) -> Any:
+        return vllm_logprob_checks(body, chat=True)
 
     @property
     def may_call_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def sample_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, Any]]:
         messages = []
@@ -309,6 +330,69 @@ class ChatCompletionRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
+    logprobs: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        """A batch of one is its prompt; a batch of more is refused: each prompt is a turn of its own
+        (its own placement, KV and record), so a client sends one request each."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) > 1:
+                raise ValueError(f"a list of {len(prompt)} prompts is not supported by this server: send one "
+                                 "request per prompt")
+            return prompt[0]
+        return prompt
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_logprob_checks(cls, body: Any) -> Any:
+        return vllm_logprob_checks(body, chat=False)
+
+    @property
+    def sample_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+def vllm_logprob_checks(body: Any, chat: bool) -> Any:
+    """vLLM's own request checks of the logprob fields (top_logprobs needs logprobs, -1 or >= 0, ...),
+    run only when a request sets one (they import vLLM's request models)."""
+    if not isinstance(body, dict) or body.keys().isdisjoint(("logprobs", "top_logprobs", "prompt_logprobs")):
+        return body
+    if chat:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VLLMRequest
+    else:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VLLMRequest
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        return VLLMRequest.check_logprobs(body)
+    except VLLMValidationError as exc:  # not a ValueError: pydantic would not make it a 400
+        raise ValueError(str(exc)) from None
+
+
+def logprobs_body(chat: bool, token_ids: list[int], steps: list[TokenLogprobs], top: int,
+                  text_offset: int = 0) -> dict[str, Any]:
+    """A choice's `logprobs` as vLLM's server writes it (its serving classes' own formatters)."""
+    from vllm.logprobs import Logprob
+
+    candidates = [{token_id: Logprob(logprob, rank, text) for token_id, logprob, rank, text in step} for step in steps]
+    if chat:
+        return _formatter(True)._create_chat_logprobs(token_ids, candidates, None, top).model_dump()
+    return _formatter(False)._create_completion_logprobs(token_ids, candidates, top, None,
+                                                         initial_text_offset=text_offset).model_dump()
+
+
+@functools.cache
+def _formatter(chat: bool) -> Any:
+    """vLLM's serving class without a server: its logprob formatters read only this one attribute."""
+    if chat:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat as Serving
+    else:
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion as Serving
+    formatter = object.__new__(Serving)
+    formatter.return_tokens_as_token_ids = False
+    return formatter
 
 
 def response_grammar(response_format: dict[str, Any] | None) -> dict[str, Any]:
@@ -355,14 +439,17 @@ class ResponseShape:
         return body
 
     def _choice(self, text: str, finish_reason: str | None, token_ids: list[int] | None,
-                message_key: str, parsed: dict[str, Any] | None) -> dict[str, Any]:
-        """`parsed`: the message or delta vLLM's parsers made of the text (app/reply_parsing.py)."""
+                message_key: str, parsed: dict[str, Any] | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        """`parsed`: the message or delta vLLM's parsers made of the text (app/reply_parsing.py);
+        `logprobs`: logprobs_body's, when the request asked for them."""
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice[message_key] = {"role": "assistant", **parsed} if parsed is not None else {
                 "role": "assistant", "content": text}
         else:
             choice["text"] = text
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
         if token_ids is not None:
             choice["token_ids"] = token_ids
@@ -373,16 +460,18 @@ class ResponseShape:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def chunk(self, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
-              prompt_token_ids: list[int] | None = None, parsed: dict[str, Any] | None = None) -> str:
-        choice = self._choice(text, finish_reason, token_ids, "delta", parsed)
+              prompt_token_ids: list[int] | None = None, parsed: dict[str, Any] | None = None,
+              logprobs: dict[str, Any] | None = None) -> str:
+        choice = self._choice(text, finish_reason, token_ids, "delta", parsed, logprobs)
         return sse(self._body(self._chunk_object, choice, prompt_token_ids))
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> str:
         return sse(self._body(self._chunk_object, None, usage=usage_body))
 
     def full(self, text: str, finish_reason: str | None, usage_body: dict[str, Any], token_ids: list[int] | None,
-             prompt_token_ids: list[int] | None, parsed: dict[str, Any] | None = None) -> dict[str, Any]:
-        choice = self._choice(text, finish_reason, token_ids, "message", parsed)
+             prompt_token_ids: list[int] | None, parsed: dict[str, Any] | None = None,
+             logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        choice = self._choice(text, finish_reason, token_ids, "message", parsed, logprobs)
         return self._body(self.object, choice, prompt_token_ids, usage=usage_body)
 
 

@@ -174,6 +174,11 @@ class KVHandoff:
                        num_tokens=min(num_tokens, self.num_tokens))
 
 
+TokenLogprobs = tuple[tuple[int, float, int, str | None], ...]
+"""One generated token's candidates as vLLM returns them, the sampled token first: (token id,
+logprob, rank, decoded text)."""
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """A reply's vLLM SamplingParams as they cross deployments (app/engine.py sampling_params builds
@@ -211,6 +216,9 @@ class SamplingSettings:
     allowed_token_ids: tuple[int, ...] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logprobs: int | None = None
+    """Candidates returned with each generated token besides the sampled one (-1: the whole
+    vocabulary); None: no log probabilities."""
 
     @property
     def reads_reply(self) -> bool:
@@ -299,6 +307,8 @@ class ReplyChunk:
     """Prompt tokens the engine found in its prefix cache; set when decode computed the prompt."""
     engine_timing: EngineTiming | None = None
     """Set on the first chunk when decode computed the prompt."""
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    """One entry per token, when the request asked for log probabilities."""
 
 
 @dataclass(frozen=True)

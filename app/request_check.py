@@ -52,12 +52,14 @@ class RequestCheck:
     """vLLM's own checks of a request's sampling parameters, with the model and structured-output
     backend the engines use."""
 
-    def __init__(self, model_path: Path, max_model_len: int, engine_kwargs: dict[str, Any], tokenizer: Any) -> None:
+    def __init__(self, model_path: Path, max_model_len: int, max_logprobs: int, engine_kwargs: dict[str, Any],
+                 tokenizer: Any) -> None:
         from vllm.config import ModelConfig, StructuredOutputsConfig
         from vllm.tokenizers.hf import get_cached_tokenizer
         from vllm.v1.serial_utils import MsgpackEncoder
 
-        self.model = ModelConfig(model=str(model_path), tokenizer=str(model_path), max_model_len=max_model_len)
+        self.model = ModelConfig(model=str(model_path), tokenizer=str(model_path), max_model_len=max_model_len,
+                                 max_logprobs=max_logprobs)
         self.structured = StructuredOutputsConfig(**dict(engine_kwargs.get("structured_outputs_config") or {}))
         # vLLM's view of the tokenizer (its max_token_id bounds bad words), as the engines hold it
         self.tokenizer, self.encoder = get_cached_tokenizer(tokenizer), MsgpackEncoder()

@@ -41,7 +41,15 @@ def peer_engine_kwargs(config: AppConfig, group: EngineGroupConfig) -> dict:
             "stream_interval": config.stream_interval_tokens, "max_num_seqs": config.engine_max_num_seqs,
             "max_num_batched_tokens": group.max_batched_tokens,
             "long_prefill_token_threshold": group.long_prefill_tokens, "scheduling_policy": scheduling_policy(config),
-            **({"scheduler_cls": cls} if (cls := scheduler_class(config)) else {})}
+            **({"scheduler_cls": cls} if (cls := scheduler_class(config)) else {}), **peer_parsers(config)}
+
+
+def peer_parsers(config: AppConfig) -> dict:
+    """The app's tool and reasoning parsers, as vLLM's server arguments (Serve LLM takes them
+    among its engine arguments)."""
+    tools = {"enable_auto_tool_choice": True, "tool_call_parser": config.tool_call_parser}
+    return {**(tools if config.tool_call_parser else {}),
+            **({"reasoning_parser": config.reasoning_parser} if config.reasoning_parser else {})}
 
 
 def plain_vllm_command(config: AppConfig, port: int) -> list[str]:

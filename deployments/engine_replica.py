@@ -19,7 +19,15 @@ from ray import serve
 from app import kv_events
 from app.autoscaling import KV_CACHE_USAGE, RUNNING_SEQS, WAITING_SEQS
 from app.config import TINY_MODEL, AppConfig
-from app.engine import Engine, engine_timing, from_vllm_params, hold_params, publishes_kv_events, to_vllm_params
+from app.engine import (
+    Engine,
+    engine_timing,
+    from_vllm_params,
+    hold_params,
+    publishes_kv_events,
+    to_vllm_params,
+    token_logprobs,
+)
 from app.model.tiny import ensure_tiny_model
 from app.nixl_backends import resolve_backends
 from app.protocol import DecodeRequest, EngineStatus, KVHandoff, ReplicaInfo, ReplyChunk, RetainedBlocks, Role
@@ -133,7 +141,7 @@ class EngineReplica:
             yield ReplyChunk(token_ids=tuple(completion.token_ids), text=completion.text,
                              finish_reason=completion.finish_reason, retained=retained,
                              num_cached_tokens=output.num_cached_tokens if computes_prompt else None,
-                             engine_timing=timing)
+                             engine_timing=timing, logprobs=token_logprobs(completion))
 
     def _retained(self, request: DecodeRequest, generated: list[int], params) -> RetainedBlocks | None:
         if not params or not params.get("remote_block_ids"):

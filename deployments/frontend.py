@@ -34,6 +34,7 @@ from app.openai_api import (
     GenerationRequest,
     ResponseShape,
     error_body,
+    logprobs_body,
     refused_fields,
     sse,
     usage,
@@ -224,27 +225,34 @@ class Frontend:
 
     async def _complete(self, relay: Relay, shape: ResponseShape, body: GenerationRequest, parsed_request):
         """`parsed_request`: vLLM's request model when vLLM's parsers read the reply, else None."""
-        finish_reason = None
+        finish_reason, steps = None, []
         async with aclosing(relay.chunks()) as chunks:
             async for chunk in chunks:
                 finish_reason = chunk.finish_reason or finish_reason
+                steps.extend(chunk.logprobs or ())
         start, text, message = relay.start, "".join(relay.text), None
+        top = body.sample_logprobs
+        logprobs = None if top is None else logprobs_body(shape.chat, relay.sent, steps, top)
         if parsed_request is not None:
             message, called_tools = self.parsing.message(parsed_request, text, relay.sent)
             finish_reason = "tool_calls" if called_tools else finish_reason
         use = usage(len(start.prompt_token_ids), len(relay.sent), start.cached_tokens)
         ids, prompt = (relay.sent, list(start.prompt_token_ids)) if body.return_token_ids else (None, None)
-        return shape.full(text, finish_reason, use, ids, prompt, message)
+        return shape.full(text, finish_reason, use, ids, prompt, message, logprobs)
 
     async def _stream(self, relay: Relay, shape: ResponseShape, body: GenerationRequest, release: Callable[[], Any],
                       parsed_request):
         start = relay.start
         prompt = list(start.prompt_token_ids) if body.return_token_ids else None
         parser = self.parsing.stream(parsed_request) if parsed_request is not None else None
+        top, text_offset = body.sample_logprobs, 0
         try:
             async with aclosing(relay.chunks()) as chunks:
                 async for chunk in chunks:
                     ids = list(chunk.token_ids) if body.return_token_ids else None
+                    logprobs = None if top is None else logprobs_body(shape.chat, list(chunk.token_ids),
+                                                                      list(chunk.logprobs or ()), top, text_offset)
+                    text_offset += len(chunk.text)
                     delta, finish_reason = None, chunk.finish_reason
                     if parser is not None:
                         delta = parser.delta(chunk.text, list(chunk.token_ids), list(start.prompt_token_ids),
@@ -252,7 +260,7 @@ class Frontend:
                         if delta is None and finish_reason is None and ids is None:
                             continue  # nothing the client sees yet (a tool call's markup), as vLLM streams it
                         delta, finish_reason = delta or {}, parser.finish_reason(finish_reason)
-                    yield shape.chunk(chunk.text, finish_reason, ids, prompt, delta)
+                    yield shape.chunk(chunk.text, finish_reason, ids, prompt, delta, logprobs)
                     prompt = None
         except (BadRequest, EngineRefused, StageTimeout) as exc:  # headers are sent: report in-band, then end
             yield sse(error_body(str(exc), in_band_status(exc)))

@@ -11,7 +11,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from app.autoscaling import QUEUED_PREFILL_TOKENS, QueuedTokens
-from app.engine import engine_timing, from_vllm_params, hold_params, to_vllm_params
+from app.engine import engine_timing, from_vllm_params, hold_params, to_vllm_params, token_logprobs
 from app.protocol import PrefillRequest, PrefillResult, ReplyChunk, Role, SamplingSettings
 from deployments.engine_replica import EngineReplica
 from deployments.targeted_router import TargetedRequestRouter
@@ -82,4 +82,4 @@ def first_chunk(deltas: list[Any], turn_max_tokens: int) -> ReplyChunk | None:
         return None
     ends = first.finish_reason == "stop" or (first.finish_reason == "length" and turn_max_tokens == 1)
     return ReplyChunk(token_ids=tuple(first.token_ids), text=first.text,
-                      finish_reason=first.finish_reason if ends else None)
+                      finish_reason=first.finish_reason if ends else None, logprobs=token_logprobs(first))

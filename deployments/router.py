@@ -53,8 +53,8 @@ class Router:
         self.config, self.limits = config, config.limits
         self.keys = KeyRing.of(config.api_keys, config.admin_api_keys)
         self.renderer = PromptRenderer(config.model_path(), config.max_model_len)
-        self.request_check = RequestCheck(config.model_path(), config.max_model_len, dict(config.engine_kwargs),
-                                          self.renderer.tokenizer)
+        self.request_check = RequestCheck(config.model_path(), config.max_model_len, config.limits.max_logprobs,
+                                          dict(config.engine_kwargs), self.renderer.tokenizer)
         # One thread: tokenizers are not safe to share across threads, and rendering a large body
         # must not stall other streams on the event loop.
         self.render_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
@@ -127,7 +127,7 @@ class Router:
                 async for chunk in reply:
                     generated.extend(chunk.token_ids)
                     text.append(chunk.text)
-                    yield ReplyChunk(chunk.token_ids, chunk.text, chunk.finish_reason)
+                    yield ReplyChunk(chunk.token_ids, chunk.text, chunk.finish_reason, logprobs=chunk.logprobs)
             if rendered is not None:  # the turn is recorded with its settlement
                 reply = self.reply_parsing.replayed(body, "".join(text), generated)
                 conversation = self.sessions.finish(rendered, generated, reply, prepared.prefill.replica_id)

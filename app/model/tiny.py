@@ -77,6 +77,14 @@ def corpus_lines() -> list[str]:
     return (Path(__file__).parent / "corpus.txt").read_text().splitlines()
 
 
+def blank_token_bias(tokenizer) -> dict[str, float]:
+    """logit_bias against whitespace-only tokens: the random weights fill JSON with the whitespace
+    a grammar allows until max_tokens (where the grammar requires a blank, as in fixed markup, it
+    is still the only choice), so constrained tool calls get this to end."""
+    blank = [i for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip() and tokenizer.decode([i])]
+    return {str(i): -100.0 for i in blank}
+
+
 def ensure_tiny_model(folder: Path) -> Path:
     """Build the model into `folder` unless a complete build is there; safe across processes."""
     folder.mkdir(parents=True, exist_ok=True)

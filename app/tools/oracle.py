@@ -34,6 +34,15 @@ class ReferenceEngine:
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outputs]
 
+    def logprobs(self, prompt: list[int], max_tokens: int, top: int) -> list[dict[str, float]]:
+        """Greedy, ignore_eos: each generated token's candidates (the sampled one and the `top`
+        likeliest) by their text, as vLLM's server names them, with their log probabilities."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=top)
+        output = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0]
+        return [{p.decoded_token: p.logprob for p in step.values()} for step in output.logprobs]
+
 
 def start_reference(config) -> "ray.actor.ActorHandle":
     return ReferenceEngine.remote(str(config.model_path()), config.block_size, config.max_model_len)

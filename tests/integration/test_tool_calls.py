@@ -30,14 +30,12 @@ BODY = {"return_token_ids": True, "chat_template_kwargs": {"enable_thinking": Fa
 
 @pytest.fixture(scope="module")
 def no_blank_json(app_config) -> dict[str, float]:
-    """logit_bias against whitespace-only tokens, for the app and the oracle alike: the random-weight
-    model fills JSON with the whitespace the grammar allows until max_tokens (where the grammar
-    requires a blank, as in its fixed markup, it is still the only choice)."""
+    """The embedded model's blank_token_bias, for the app and the oracle alike."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(app_config.model_path()))
-    blank = [i for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip() and tokenizer.decode([i])]
-    return {str(i): -100.0 for i in blank}
+    from app.model.tiny import blank_token_bias
+
+    return blank_token_bias(AutoTokenizer.from_pretrained(str(app_config.model_path())))
 
 
 def _vllm_parser(model_path: str):

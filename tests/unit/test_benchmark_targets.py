@@ -18,7 +18,7 @@ from benchmarks.report import Row
 from benchmarks.target import NO_KEY, Target, add_target_args, decisions, resolve_target
 
 ROOT = Path(__file__).parents[2]
-SENDS_REQUESTS = ("eviction_horizon", "faults", "multi_turn", "paired", "prefill_tokens", "reverse_pull",
+SENDS_REQUESTS = ("agent", "eviction_horizon", "faults", "multi_turn", "paired", "prefill_tokens", "reverse_pull",
                   "routing_policies", "sweep")
 IN_PROCESS = ("decision_time",)
 """Times the router's own code in this process: sends nothing."""

@@ -92,7 +92,8 @@ def test_stop_strings_grammars_or_the_switch_leave_the_first_token_to_decode(sam
 
 
 def _delta(token_ids: list[int], text: str, finish_reason: str | None = None):
-    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids, text=text, finish_reason=finish_reason)])
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids, text=text, finish_reason=finish_reason,
+                                                   logprobs=None)])
 
 
 def test_a_first_token_without_text_yet_is_left_to_decode():

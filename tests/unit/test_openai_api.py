@@ -2,7 +2,7 @@ import pytest
 from pydantic import ValidationError
 from vllm import SamplingParams
 
-from app.openai_api import ChatCompletionRequest
+from app.openai_api import ChatCompletionRequest, CompletionRequest, logprobs_body
 
 
 def test_unknown_role_and_empty_messages_are_rejected():
@@ -128,3 +128,32 @@ def test_the_model_s_generation_config_fills_what_the_request_leaves_unset():
     assert (unset.temperature, unset.top_p, unset.top_k, unset.repetition_penalty) == (0.6, 0.95, 20, 1.05)
     given = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], temperature=1.0, top_k=0)
     assert (given.sampling(8, defaults).temperature, given.sampling(8, defaults).top_k) == (1.0, 0)
+
+
+def test_logprob_fields_map_to_vllm_s_and_its_own_checks_refuse_what_it_refuses():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert ChatCompletionRequest(**chat).sampling(4).logprobs is None
+    assert ChatCompletionRequest(**chat, logprobs=True).sampling(4).logprobs == 0
+    assert ChatCompletionRequest(**chat, logprobs=True, top_logprobs=5).sampling(4).logprobs == 5
+    assert CompletionRequest(prompt="x", logprobs=2).sampling(4).logprobs == 2
+    with pytest.raises(ValidationError, match="`logprobs` must be set to true"):
+        ChatCompletionRequest(**chat, top_logprobs=2)
+    with pytest.raises(ValidationError, match="positive value or -1"):
+        CompletionRequest(prompt="x", logprobs=-2)
+
+
+def test_logprobs_take_vllm_s_server_shapes():
+    steps = [((5, -0.1, 1, "a"), (7, -2.0, 2, "b")), ((9, -0.5, 1, "c"), (5, -1.0, 2, "a"))]
+    chat = logprobs_body(True, [5, 9], steps, 1)["content"]
+    assert [(c["token"], c["logprob"], [t["token"] for t in c["top_logprobs"]]) for c in chat] == [
+        ("a", -0.1, ["a"]), ("c", -0.5, ["c"])]
+    text = logprobs_body(False, [5, 9], steps, 1, text_offset=3)
+    assert text == {"text_offset": [3, 4], "token_logprobs": [-0.1, -0.5], "tokens": ["a", "c"],
+                    "top_logprobs": [{"a": -0.1, "b": -2.0}, {"c": -0.5, "a": -1.0}]}
+
+
+def test_a_batch_of_one_prompt_is_that_prompt_and_of_more_a_400():
+    assert CompletionRequest(prompt=["ab"]).prompt == "ab"
+    assert CompletionRequest(prompt=[[1, 2]]).prompt == [1, 2]
+    with pytest.raises(ValidationError, match="send one request per prompt"):
+        CompletionRequest(prompt=["a", "b"])

@@ -16,7 +16,7 @@ from app.request_check import RequestCheck, vllm_request_defaults
 @pytest.fixture(scope="module")
 def check(tmp_path_factory):
     path = ensure_tiny_model(tmp_path_factory.mktemp("tiny"))
-    return RequestCheck(path, 4096, {}, PromptRenderer(path, 4096).tokenizer)
+    return RequestCheck(path, 4096, 20, {}, PromptRenderer(path, 4096).tokenizer)
 
 
 @pytest.mark.parametrize("settings, field", [
@@ -42,6 +42,7 @@ def check(tmp_path_factory):
     (SamplingSettings(bad_words=("",)), "bad_words"),
     (SamplingSettings(bad_words=tuple(f"w{i}" for i in range(200))), "bad_words"),
     (SamplingSettings(regex="a+", stop_token_ids=(10**6,)), "stop_token_ids"),
+    (SamplingSettings(logprobs=21), "logprobs"),
 ])
 def test_what_vllm_refuses_is_a_400_naming_the_field(check, settings, field):
     with pytest.raises(BadRequest, match=field.replace(".", r"\.")):
@@ -65,8 +66,8 @@ def _body(chat: bool = True, **fields):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"n": 2}, "n (one choice per request)"),
-    ({"logprobs": True, "top_logprobs": 2}, "logprobs (log probabilities are not returned), top_logprobs (log"),
+    ({"n": 2}, "n (one choice per request: a reply is a turn"),
+    ({"prompt_logprobs": 2}, "prompt_logprobs (a prompt's history is mostly not computed at all"),
     ({"chat_template": "{{ messages }}"}, "chat_template (a client's template is not run)"),
     ({"use_beam_search": True, "length_penalty": 0.5}, "length_penalty (it applies to beam search only), "
      "use_beam_search (beam search is not implemented)"),
@@ -84,8 +85,8 @@ def test_vllm_s_fields_the_server_does_not_honour_are_refused_by_name_with_why(c
 def test_completions_are_checked_against_vllm_s_completion_request(check):
     with pytest.raises(BadRequest, match=re.escape("echo (the prompt is not echoed), suffix (not implemented)")):
         check.check_fields(_body(chat=False, echo=True, suffix="end"))
-    with pytest.raises(BadRequest, match="logprobs"):
-        check.check_fields(_body(chat=False, logprobs=0))
+    with pytest.raises(BadRequest, match="prompt_logprobs"):
+        check.check_fields(_body(chat=False, prompt_logprobs=0))
     check.check_fields(_body(chat=False, add_special_tokens=True, logprobs=None))  # vLLM's defaults
     check.check_fields(_body(suffix="end"))  # not a field of vLLM's chat model: ignored, as vLLM does
 
