@@ -41,10 +41,14 @@ def pull_cost(load: LoadReport, policy: PlacementPolicy) -> float:
 
 def estimate(prefill_compute: int, pulled: int, decode_compute: int,
              prefill: LoadReport, decode: LoadReport, prefill_queued: int, decode_queued: int,
-             policy: PlacementPolicy) -> Estimate:
+             policy: PlacementPolicy, decode_reads: int = 0) -> Estimate:
     """`prefill_compute` / `decode_compute`: prompt tokens each side would compute itself. Decode's
-    read of prefill's KV is left out: prefill sends the first token before it."""
-    on_prefill = compute_time(prefill_queued + prefill_compute, prefill) + pulled * pull_cost(prefill, policy)
+    read of prefill's KV is left out when prefill sends the first token before it; `decode_reads`:
+    the prompt tokens decode reads first when the first token is decode's (a reply whose sampling
+    reads the reply so far): an agent's tool call paid it on every turn placed on prefill."""
+    decode_read = decode_reads * pull_cost(decode, policy) + compute_time(1, decode) if decode_reads else 0.0
+    on_prefill = (compute_time(prefill_queued + prefill_compute, prefill) + pulled * pull_cost(prefill, policy)
+                  + decode_read)
     on_decode = compute_time(decode_queued + decode_compute, decode)
     stall = policy.itl_weight * decode.num_running_reqs * decode_compute * decode.compute_s_per_token
     return Estimate(round(on_prefill * 1e3, 3), round(on_decode * 1e3, 3), prefill_queued, decode_queued,
@@ -52,7 +56,7 @@ def estimate(prefill_compute: int, pulled: int, decode_compute: int,
                     round(prefill.compute_s_per_token * 1e6, 3), round(decode.compute_s_per_token * 1e6, 3),
                     round(pull_cost(prefill, policy) * 1e6, 3), decode_stall_ms=round(stall * 1e3, 3),
                     prefill_step_ms=round(_busy_step(prefill) * 1e3, 3),
-                    decode_step_ms=round(_busy_step(decode) * 1e3, 3))
+                    decode_step_ms=round(_busy_step(decode) * 1e3, 3), decode_read_ms=round(decode_read * 1e3, 3))
 
 
 def compute_time(tokens: int, load: LoadReport) -> float:
@@ -77,10 +81,11 @@ def decode_allowed(decode_compute: int, decode: LoadReport, policy: PlacementPol
 
 def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[RoutingDecision],
           load: Callable[[str], LoadReport], queued: Mapping[str, int], calibration: "Calibration",
-          policy: PlacementPolicy) -> RoutingDecision:
+          policy: PlacementPolicy, first_token_on_decode: bool = False) -> RoutingDecision:
     """`on_prefill`, or the `on_decode` candidate of least cost (its wait plus its streams' stall)
     if less than prefill's wait; the chosen decision carries the estimate it won by. Without
-    measured costs on both sides, the fixed rule: a candidate decode retaining the conversation wins."""
+    measured costs on both sides, the fixed rule: a candidate decode retaining the conversation wins.
+    `first_token_on_decode`: decode samples the reply's first token wherever the prompt is computed."""
     best: RoutingDecision | None = None
     prefill_load = load(on_prefill.prefill_replica_id)
     for candidate in on_decode:
@@ -92,7 +97,7 @@ def place(prompt_tokens: int, on_prefill: RoutingDecision, on_decode: list[Routi
         sides = calibration.corrected(estimate(
             prompt_tokens - on_prefill.tokens_local - on_prefill.pulled_tokens, on_prefill.pulled_tokens,
             decode_compute, prefill_load, decode_load, queued.get(on_prefill.prefill_replica_id, 0),
-            queued.get(decode_id, 0), policy))
+            queued.get(decode_id, 0), policy, prompt_tokens if first_token_on_decode else 0))
         if decode_allowed(decode_compute, decode_load, policy) and sides.decode_wins and (
                 best is None or best.placement is None or sides.decode_cost_ms < best.placement.decode_cost_ms):
             best = replace(candidate, placement=sides)

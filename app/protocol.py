@@ -74,6 +74,9 @@ class Estimate:
     decode_step_ms: float = 0.0
     """Each side's recent step time, if it has requests running (0: idle): what the estimate charges
     for the step in flight and the batch the prompt joins."""
+    decode_read_ms: float = 0.0
+    """On the prefill side, for a reply whose first token decode samples (its sampling reads the
+    reply: a tool call's grammar, penalties): decode's read of the prompt's KV and its step."""
 
     @property
     def decode_cost_ms(self) -> float:

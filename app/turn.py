@@ -382,7 +382,7 @@ class TurnLoop:
         ahead = self.journal.queued_later_tokens if turn.later and self.config.later_turns_first else (
             self.journal.queued_tokens)
         return place(len(turn.prompt_token_ids), on_prefill, candidates, self.engines.load,
-                     ahead, self.calibrations[turn.later], self.placement)
+                     ahead, self.calibrations[turn.later], self.placement, turn.sampling.reads_reply)
 
     def _on_decode(self, turn: Turn, lookup: PrefixLookup, policy: PullPolicy,
                    decode_live: list[str]) -> RoutingDecision | None:

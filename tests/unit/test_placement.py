@@ -88,6 +88,16 @@ def test_a_pull_is_charged_at_the_measured_cost_and_at_a_prior_share_before_any(
     assert prior.on_prefill_ms == round((64 * COST + 960 * COST * 0.05) * 1e3, 3)
 
 
+def test_a_reply_whose_first_token_is_decode_s_charges_prefill_s_side_decode_s_read():
+    """A tool call's grammar keeps the whole reply on decode: placed on prefill, it waits for
+    prefill, then for decode's read of the prompt and decode's first step."""
+    plain = estimate(128, 0, 128, IDLE, IDLE, 0, 0, POLICY)
+    call = estimate(128, 0, 128, IDLE, IDLE, 0, 0, POLICY, decode_reads=2048)
+    assert call.decode_read_ms == round((2048 * 1e-6 + COST) * 1e3, 3)
+    assert call.on_prefill_ms == round(plain.on_prefill_ms + call.decode_read_ms, 3)
+    assert call.on_decode_ms == plain.on_decode_ms
+
+
 def test_hard_limits_keep_a_prompt_off_decode():
     assert decode_allowed(2048, IDLE, POLICY)
     assert not decode_allowed(2049, IDLE, POLICY)
