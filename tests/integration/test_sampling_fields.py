@@ -71,3 +71,23 @@ def test_bad_sampling_fields_are_a_400_naming_the_field(http, fields, words):
     response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **fields})
     assert response.status_code == 400
     assert words in response.json()["error"]["message"]
+
+
+
+@pytest.mark.parametrize("length", [1, 3])
+def test_a_reply_ending_inside_a_utf8_character_has_the_plain_engine_s_text(client, reference, app_config, length):
+    """The reply's tokens are UTF-8 lead bytes (allowed_token_ids): its text ends inside a character.
+    Whole and streamed, the text is what vLLM's own detokenizer makes of the same tokens (vLLM
+    holds back a trailing incomplete character, it does not write U+FFFD for it), so the next
+    turn's history matches a plain vLLM server's."""
+    from transformers import AutoTokenizer
+
+    # byte-level BPE names the byte 0xE2, which opens a three-byte character, 'â'
+    lead = AutoTokenizer.from_pretrained(str(app_config.model_path())).convert_tokens_to_ids("â")
+    fields = {"allowed_token_ids": [lead]}
+    messages = _messages(f"UTF-8 {length}")
+    whole = chat_turn(client, messages, length, stream=False, prefill_on_decode=False, **fields)
+    streamed = chat_turn(client, messages, length, prefill_on_decode=False, **fields)
+    ids, text = ray.get(reference.replies.remote([whole.prompt_ids], length, None, fields))[0]
+    assert whole.output_ids == streamed.output_ids == ids == [lead] * length
+    assert whole.text == streamed.text == text
