@@ -11,6 +11,7 @@ admission bound or while no engine or router can serve, 504 when a stage times o
 """
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from app.relay import Admission, NoRouterAlive, Relay
 from app.reply import EngineRefused, NoEngineAlive, StageTimeout
 from app.reply_parsing import ReplyParsing
 from app.request_check import vllm_responses_defaults
-from app.responses import ResponsesRequest
+from app.responses import ResponsesRequest, ResponseStream
 from app.routing import NoPrefillReplica
 from app.tenants import KeyRing, Unauthorized, open_api_refusal
 from deployments.http_guard import HttpGuard, error_response, open_paths, serve_docs
@@ -189,10 +190,39 @@ class Frontend:
         completion = await self._serve(chat, ClientRequest(chat, authorization, x_session_id), chat=True)
         if isinstance(completion, JSONResponse):
             return completion
-        response, stored = body.response(completion, chat.template_messages(), api.state.keys.tenant_of(authorization))
+        tenant = api.state.keys.tenant_of(authorization)
+        if body.stream:
+            events = self._response_events(body, chat, completion.body_iterator, tenant)
+            return StreamingResponse(events, media_type="text/event-stream")
+        response, stored = body.response(completion, chat.template_messages(), tenant)
+        return await self._stored(body, response, stored)
+
+    async def _stored(self, body: ResponsesRequest, response: dict[str, Any], stored) -> dict[str, Any]:
         if body.store and not await self.router.store_response.remote(stored):
             response["store"] = False  # the index did not answer: this id continues nothing
         return response
+
+    async def _response_events(self, body: ResponsesRequest, chat: ChatCompletionRequest, chunks, tenant: str):
+        """The chat stream's chunks as Responses events; the response is stored before
+        `response.completed` goes out, so the client's next request finds it."""
+        stream = ResponseStream(body)
+        for event in stream.opening(self.config.model_name):
+            yield event
+        async with aclosing(chunks):  # a client gone mid-reply ends the chat stream now, releasing its place
+            async for raw in chunks:
+                data = raw[len("data: "):].strip()
+                if data == "[DONE]":
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    yield stream.event("error", code=str(chunk["error"]["code"]), message=chunk["error"]["message"])
+                    return
+                for event in stream.chunk(chunk):
+                    yield event
+        response, stored = body.response(stream.completion(), chat.template_messages(), tenant, stream.response_id,
+                                         stream.ids)
+        for event in stream.closing(await self._stored(body, response, stored)):
+            yield event
 
     async def _serve(self, body: GenerationRequest, request: ClientRequest, chat: bool):
         if body.model and body.model != self.config.model_name:

@@ -1,6 +1,7 @@
 """An agent framework people use, the OpenAI Agents SDK, runs a tool loop against the real app through
-its chat-completions model: several tool calls, each result fed back, streamed and not, and every
-model call after the first appends to the exact tokens of the one before (the decision log says so)."""
+its chat-completions model and its default, the Responses API: several tool calls, each result fed
+back, streamed and not, and every model call after the first appends to the exact tokens of the one
+before (the decision log says so)."""
 
 import asyncio
 import time
@@ -15,8 +16,8 @@ pytestmark = pytest.mark.integration
 TOOL_CALLS = 3
 
 
-def _agent(base_url: str, bias: dict[str, float]):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, function_tool
+def _agent(base_url: str, bias: dict[str, float], api: str):
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, function_tool
     from agents.agent import ToolsToFinalOutputResult
     from openai import AsyncOpenAI
 
@@ -37,9 +38,13 @@ def _agent(base_url: str, bias: dict[str, float]):
         return ToolsToFinalOutputResult(is_final_output=done, final_output=results[-1].output if done else None)
 
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-    model = OpenAIChatCompletionsModel(model="tiny-qwen3", openai_client=client)
-    settings = ModelSettings(temperature=0, max_tokens=128, tool_choice="required", extra_body={
-        "logit_bias": bias, "chat_template_kwargs": {"enable_thinking": False}})
+    if api == "responses":
+        model, extra = OpenAIResponsesModel(model="tiny-qwen3", openai_client=client), {}
+    else:
+        model = OpenAIChatCompletionsModel(model="tiny-qwen3", openai_client=client)
+        extra = {"chat_template_kwargs": {"enable_thinking": False}}
+    settings = ModelSettings(temperature=0, max_tokens=128, tool_choice="required",
+                             extra_body={"logit_bias": bias, **extra})
     return Agent(name="weather", instructions=f"Agent. {SYSTEM_PROMPT}", model=model, model_settings=settings,
                  tools=[get_weather, get_time], tool_use_behavior=stop_after_calls, reset_tool_choice=False)
 
@@ -58,10 +63,11 @@ async def _run(agent, streamed: bool) -> None:
     assert context["calls"] >= TOOL_CALLS and run.final_output
 
 
-@pytest.mark.parametrize("streamed", [False, True])
-def test_an_agents_sdk_tool_loop_reuses_its_history_every_call(base_url, http, no_blank_json, streamed):  # noqa: F811
+@pytest.mark.parametrize("api, streamed", [("chat", False), ("chat", True), ("responses", False), ("responses", True)])
+def test_an_agents_sdk_tool_loop_reuses_its_history_every_call(base_url, http, no_blank_json, api,  # noqa: F811
+                                                               streamed):
     started = time.time()
-    asyncio.run(_run(_agent(base_url, no_blank_json), streamed))
+    asyncio.run(_run(_agent(base_url, no_blank_json, api), streamed))
     calls = [d for d in http.get("/admin/decisions", params={"n": 100}).json() if d["time"] >= started]
     assert len(calls) >= TOOL_CALLS, calls
     for current in calls[1:]:
