@@ -98,8 +98,8 @@ class Router:
         tenant = self.keys.tenant_of(request.authorization)
         scope = cache_scope(tenant, body.user, self.config.per_user_salt_tenants)
         self.request_check.check_fields(body)
-        # max_tokens is resolved once the prompt's length is known (_turn)
-        sampling = body.sampling(body.requested_max_tokens or 1, self.generation_defaults)
+        # max_tokens is resolved once the prompt's length is known (_turn); until then the context bounds it
+        sampling = body.sampling(body.requested_max_tokens or self.config.max_model_len, self.generation_defaults)
         if isinstance(body, ChatCompletionRequest):
             sampling = self.reply_parsing.constrain(body, sampling)
         if RequestCheck.needs_tokenizer(sampling):  # before any engine sees it
@@ -143,6 +143,8 @@ class Router:
         max_tokens = get_max_tokens(self.config.max_model_len, body.requested_max_tokens, len(prompt_ids),
                                     self.generation_defaults)
         sampling = replace(sampling, max_tokens=max_tokens)
+        if sampling.min_tokens > max_tokens:  # vLLM's own check, now that the bound is known
+            self.request_check.check(sampling)
         sent = resume.sent_token_ids if resume else ()
         chat = rendered is not None
         return Turn(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",

@@ -34,6 +34,22 @@ def test_min_tokens_holds_off_an_early_stop_token_over_the_whole_reply(client, h
     assert held.output_ids == _oracle(reference, held.prompt_ids, min_tokens=20, **stop)
 
 
+def test_min_tokens_without_max_tokens_counts_against_the_context_s_room(client, http, reference):
+    """max_tokens left unset is the context's room (vLLM's rule), so min_tokens is checked against
+    that, not against a placeholder; min_tokens past the room is vLLM's own 400."""
+    messages = _messages("Min tokens, no max")
+    plain = chat_turn(client, messages, MAX_TOKENS, prefill_on_decode=False)
+    stop_at = next(t for t in plain.output_ids[2:] if t not in plain.output_ids[:2])
+    body = {"messages": messages, "temperature": 0, "min_tokens": 2, "stop_token_ids": [stop_at],
+            "return_token_ids": True}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    ids = response.json()["choices"][0]["token_ids"]
+    assert ids == plain.output_ids[:plain.output_ids.index(stop_at) + 1]
+    refused = http.post("/v1/chat/completions", json={**body, "min_tokens": 10**6})
+    assert refused.status_code == 400 and "min_tokens" in refused.json()["error"]["message"], refused.text
+
+
 def test_penalties_give_the_plain_engine_s_tokens(client, http, reference):
     """Presence and frequency penalties count generated tokens only: decode samples the whole reply.
     The repetition penalty counts prompt and reply alike: prefill's first token may stay."""
