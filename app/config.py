@@ -15,10 +15,10 @@ from typing import Any
 
 import yaml
 
-from app.bounded import RecordBounds
-from app.conversations import RenderMode
-from app.hashing import DEFAULT_HASH_SEED
-from app.routing import RoutingPolicy
+from app.conversations.bounded import RecordBounds
+from app.conversations.records import RenderMode
+from app.kv.hashing import DEFAULT_HASH_SEED
+from app.turn.routing import RoutingPolicy
 
 TINY_MODEL = "tiny-qwen3"
 
@@ -186,7 +186,7 @@ class Limits:
 @dataclass(frozen=True)
 class Placement:
     """Where each turn's prompt is computed: a prefill replica or the decode replica that streams
-    the reply, whichever is estimated to give the first token sooner (app/placement.py)."""
+    the reply, whichever is estimated to give the first token sooner (app/turn/placement.py)."""
 
     load_aware: bool = True
     """Off: only a short append to a sequence decode retains runs on decode (the fixed rule)."""
@@ -212,7 +212,7 @@ class Placement:
     """The least of an engine's last this many probes is its compute cost (60: ten minutes of an
     idle engine's probes): a probe timed while other processes loaded the machine reads high."""
     calibration_ttl_s: float = 10.0
-    """A side's calibration (app/placement.py) that no turn has refreshed for this long is
+    """A side's calibration (app/turn/placement.py) that no turn has refreshed for this long is
     forgotten, and the side's turns are estimated by the formula alone until one comes back: a fit
     learned under one load otherwise stands through the next and keeps turns off its side."""
 
@@ -234,7 +234,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class ScalingBounds:
-    """Ray Serve autoscaling of one group (app/autoscaling.py); off, the group keeps its fixed count."""
+    """Ray Serve autoscaling of one group (deployments/autoscaling.py); off, the group keeps its fixed count."""
 
     enabled: bool = False
     """On: Serve starts the group's configured replica count and scales it within these bounds."""
@@ -440,10 +440,10 @@ class AppConfig:
     later_turns_first: bool = True
     """Engines schedule by priority (vLLM's "priority" policy): a later turn's prompt, a short
     append whose user waits, goes ahead of first turns waiting in the same engine, and decode's
-    continuation of a prompt computed on prefill ahead of both (app/turn.py); off: FCFS."""
+    continuation of a prompt computed on prefill ahead of both (app/turn/loop.py); off: FCFS."""
     later_turns_before_chunks: bool = True
     """With `later_turns_first`: in a step where a later turn waits to start, the running chunks of
-    first turns' prompts sit that step out and the later turn takes their place (app/scheduler.py);
+    first turns' prompts sit that step out and the later turn takes their place (app/engine/scheduler.py);
     off, vLLM schedules every running chunk before any waiting request."""
     first_token_from_prefill: bool = True
     """Send the client the first token prefill samples, and let decode continue after it: TTFT
@@ -452,21 +452,21 @@ class AppConfig:
     disaggregated flow)."""
     engine_idle_poll_s: float = 5.0
     """An engine that only holds finished turns for remote readers waits this long for new work
-    between connector polls instead of stepping (app/idle_poll.py); 0 keeps vLLM's busy loop.
+    between connector polls instead of stepping (app/engine/idle_poll.py); 0 keeps vLLM's busy loop.
     Above 1 s so the worker's shared-memory reader goes idle too."""
     bind_engine_cores: bool = True
     """Pin each CPU engine's OpenMP threads to its own core (VLLM_CPU_OMP_THREADS_BIND)."""
     engine_nice: int = 19
-    """CPU only: each engine's processes run at this nice value (app/engine_process.py), so that the
+    """CPU only: each engine's processes run at this nice value (app/engine/process.py), so that the
     serving path's Python, which needs little CPU but must not wait, runs ahead of a prefill's
     compute on the cores it shares with the engines. The engines inherit their replica's nice
     value: Ray's worker niceness, 15 by default (RAY_worker_niceness), 0 where this app starts Ray
-    and in the README's command (app/launch.py). Only a value above the replicas' puts the engines
+    and in the README's command (app/ops/launch.py). Only a value above the replicas' puts the engines
     behind the serving path (at 10 against 15 they ran ahead of it and later-turn TTFT tripled).
     0: keep the inherited value. The benchmarks give their peers the same two values."""
     engine_busy_poll_s: float = 0.001
     """CPU only: how long an engine's worker and EngineCore spin on their shared-memory queue after
-    each message before they block until the writer's notification (app/engine_process.py).
+    each message before they block until the writer's notification (app/engine/process.py).
     vLLM's 1 s spins one process for the whole of every step of the other. Must be above 0: at 0
     the engines tried stalled on their first request. The benchmarks give their peers the same."""
     engine_queue_recheck_ms: int = 2
@@ -474,7 +474,7 @@ class AppConfig:
     notification costs (vLLM's 5 s: at a 1 ms spin, turns waited 5 s); an idle engine's worker
     wakes this often. The benchmarks give their peers the same."""
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
-    """kv_aware, session_affinity, round_robin or least_loaded (see app/routing.py)."""
+    """kv_aware, session_affinity, round_robin or least_loaded (see app/turn/routing.py)."""
     cost_per_token: float = 1.0
     """kv_aware: cost of one prompt token prefill must compute."""
     load_weight: float = 0.5
@@ -641,7 +641,7 @@ APP_ENGINE_ARGS = frozenset({
     "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "scheduling_policy",
     "scheduler_cls", "kv_transfer_config", "worker_extension_cls", "kv_events_config", "disable_log_stats",
     "reasoning_parser", "max_logprobs"})
-"""The vLLM engine arguments app/engine.py sets from the app's own keys (a test keeps them equal)."""
+"""The vLLM engine arguments app/engine/adapter.py sets from the app's own keys (a test keeps them equal)."""
 
 
 def engine_kwargs_problems(engine_kwargs: Mapping[str, Any]) -> list[str]:

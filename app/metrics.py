@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from app.conversations import RenderDiagnostics
+from app.conversations.records import RenderDiagnostics
 from app.protocol import Action, RoutingDecision
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}

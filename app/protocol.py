@@ -64,12 +64,12 @@ class Estimate:
     decode_compute_us_per_token: float
     pull_us_per_token: float
     prefill_residual_ms: float = 0.0
-    """What calibration against measured turns added to the formula's estimate (app/placement.py)."""
+    """What calibration against measured turns added to the formula's estimate (app/turn/placement.py)."""
     decode_residual_ms: float = 0.0
     decode_stall_ms: float = 0.0
     """The stall computing the prompt on decode puts on its running streams, weighted (itl_weight).
     A cost, not a time to the first token: it is charged after calibration, which would otherwise
-    fit it away as error (app/placement.py)."""
+    fit it away as error (app/turn/placement.py)."""
     prefill_step_ms: float = 0.0
     decode_step_ms: float = 0.0
     """Each side's recent step time, if it has requests running (0: idle): what the estimate charges
@@ -101,7 +101,7 @@ class ReplicaInfo:
 
 @dataclass(frozen=True)
 class KVEvents:
-    """A prefill replica's KV cache events, reduced to block hashes (app/kv_events.py): vLLM's own
+    """A prefill replica's KV cache events, reduced to block hashes (app/kv/events.py): vLLM's own
     carry the prompt's token ids and the tenant's cache salt, which never leave the replica's node."""
 
     STORED: ClassVar[str] = "stored"
@@ -184,7 +184,7 @@ logprob, rank, decoded text)."""
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """A reply's vLLM SamplingParams as they cross deployments (app/engine.py sampling_params builds
+    """A reply's vLLM SamplingParams as they cross deployments (app/engine/adapter.py sampling_params builds
     them); vLLM's defaults, and its names, for what the client did not set."""
 
     max_tokens: int = 16
@@ -270,7 +270,7 @@ class TurnRecords:
     prefill_replica_id: str = ""
     prefill_hashes: tuple[bytes, ...] = ()
     conversation: Any = None
-    """The turn's app.conversations.ConversationRecord, for a chat turn."""
+    """The turn's app.conversations.records.ConversationRecord, for a chat turn."""
     session_key: str | None = None
     take_keys: tuple[tuple[str, str], ...] = ()
     """(replica id, request id) of sequences this turn claimed without taking them (a near-cache
@@ -330,7 +330,7 @@ class ClientRequest:
     """One HTTP request as the frontend validated it; the router authenticates and renders it."""
 
     body: Any
-    """app.openai_api.ChatCompletionRequest or CompletionRequest (pydantic, validated)."""
+    """app.conversations.openai_api.ChatCompletionRequest or CompletionRequest (pydantic, validated)."""
     authorization: str | None = None
     session_id: str | None = None
     resume: Resume | None = None
@@ -338,7 +338,7 @@ class ClientRequest:
 
 @dataclass(frozen=True)
 class StoredResponse:
-    """A stored response of /v1/responses (app/responses.py): its conversation as chat messages,
+    """A stored response of /v1/responses (app/conversations/responses.py): its conversation as chat messages,
     the reply included; the KV index keeps it for `previous_response_id`."""
 
     response_id: str
@@ -376,7 +376,7 @@ class PrefillRequest:
     """The turn's sampling settings: prefill samples the turn's first token with them. None:
     prefill samples one greedy token nobody sees and decode samples the first token."""
     priority: int = 0
-    """vLLM's scheduling priority (lower first): later turns ahead of first turns (app/turn.py)."""
+    """vLLM's scheduling priority (lower first): later turns ahead of first turns (app/turn/loop.py)."""
 
 
 @dataclass(frozen=True)
@@ -413,7 +413,7 @@ class DecodeRequest:
     retain: bool = True
     """Hold the finished sequence's blocks for the next turn's pull (False: free them at the end)."""
     priority: int = 0
-    """vLLM's scheduling priority (lower first): later turns ahead of first turns (app/turn.py)."""
+    """vLLM's scheduling priority (lower first): later turns ahead of first turns (app/turn/loop.py)."""
     tenant: str = ""
     """Whose share of decode's retained KV the finished sequence counts against."""
     tool_pause_s: float = 0.0

@@ -34,10 +34,10 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from app.client import TurnResult, chat_turn, completion_turn
 from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
-from app.turn import turn_priority
+from app.ops.client import TurnResult, chat_turn, completion_turn
+from app.turn.loop import turn_priority
 from benchmarks.multi_turn import app_decisions, key_value, warm_up
 from benchmarks.report import Row, percentile
 from benchmarks.sweep import APP_EXTRA, Conversation, LevelSummary, converse, rows_for
@@ -139,9 +139,9 @@ def drive_chat(url: str, tasks: list[AgentTask], extra: dict, bias: dict, api_ke
 def call_constraint(config: AppConfig, bias: dict) -> dict:
     """The sampling the app gives a call (vLLM's parser's constraint for the named choice), as
     completions fields, so the ideal's greedy replies equal the app's."""
-    from app.openai_api import ChatCompletionRequest
+    from app.conversations.openai_api import ChatCompletionRequest
+    from app.conversations.reply_parsing import ReplyParsing
     from app.protocol import SamplingSettings
-    from app.reply_parsing import ReplyParsing
 
     body = ChatCompletionRequest.model_validate({"model": config.model_name, "tools": [LOOKUP], "tool_choice": CALL,
                                                  "messages": [{"role": "user", "content": "x"}]})
@@ -251,7 +251,7 @@ def summarize(rows: list[Row], block_size: int, preset_name: str) -> str:
 
 
 def start_systems(systems: list[str], config: AppConfig, running: ExitStack) -> dict[str, str]:
-    from app.launch import replace_app, start_serve
+    from app.ops.launch import replace_app, start_serve
     from benchmarks.peers import plain_vllm, serve_llm_pd
 
     proxy_url, urls = start_serve(), {}

@@ -8,7 +8,7 @@ import os
 
 import psutil
 
-from app.launch import APP_NAME
+from app.ops.launch import APP_NAME
 
 _APP = f"ServeReplica:{APP_NAME}:"
 ROLES = ((f"{_APP}frontend", "frontend"), (f"{_APP}router", "router"), (f"{_APP}prefill", "prefill replica"),

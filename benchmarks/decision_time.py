@@ -9,11 +9,11 @@ import random
 import statistics
 import time
 
-from app.decision import PullPolicy
-from app.hashing import block_hashes
-from app.kv_index import KVIndex
+from app.kv.hashing import block_hashes
+from app.kv.index import KVIndex
 from app.protocol import EngineEndpoint, KVHandoff, ReplicaInfo, RetainedBlocks, Role
-from app.routing import CostWeights, PrefillChooser, RoutingPolicy
+from app.turn.decision import PullPolicy
+from app.turn.routing import CostWeights, PrefillChooser, RoutingPolicy
 
 BLOCK = 32
 

@@ -18,8 +18,8 @@ import threading
 import time
 import uuid
 
-from app.client import chat_turn
 from app.config import load_config
+from app.ops.client import chat_turn
 from benchmarks.target import add_target_args, decisions, resolve_target
 from benchmarks.workload import open_target, text_of_tokens
 

@@ -11,7 +11,7 @@ router (and so two frontend) replicas, so either can be killed too.
 
 With --url the faults hit the app on the Ray cluster this machine is a node of (run it on the node
 of the replicas it hits: engine processes are found among local pids), found under the Serve
-application name app.launch.APP_NAME; answered turns are not checked for wrong tokens then (the
+application name app.ops.launch.APP_NAME; answered turns are not checked for wrong tokens then (the
 plain engine that checks them is started here).
 """
 
@@ -26,11 +26,11 @@ import httpx
 import openai
 import ray
 
-from app.client import TurnResult, chat_turn
 from app.config import load_config
-from app.launch import APP_NAME, start_local, stop_local
-from app.tools import faults
-from app.tools.oracle import start_reference
+from app.ops import faults
+from app.ops.client import TurnResult, chat_turn
+from app.ops.launch import APP_NAME, start_local, stop_local
+from app.ops.oracle import start_reference
 from benchmarks.target import Target, add_target_args, resolve_target
 
 MAX_TOKENS = 16
@@ -156,7 +156,7 @@ def app_up(target: Target, config) -> Iterator[tuple[Target, object | None]]:
 
     if APP_NAME not in serve.status().applications:
         raise SystemExit(f"no Serve application {APP_NAME!r} on this Ray cluster: the faults find the app's "
-                         f"replicas under that name (app.launch.APP_NAME)")
+                         f"replicas under that name (app.ops.launch.APP_NAME)")
     yield target, None
 
 

@@ -37,10 +37,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from app.client import TurnResult
 from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
-from app.routing import RoutingPolicy
+from app.ops.client import TurnResult
+from app.turn.routing import RoutingPolicy
 from benchmarks.report import Row, summarize, write_results
 from benchmarks.target import NO_KEY, PEERS_ARE_LOCAL, Target, add_target_args, decisions, resolve, resolve_target
 from benchmarks.workload import Profile, load_tokenizer, openai_client, plan_conversation, replay
@@ -198,7 +198,7 @@ def run_scenario(scenario: Scenario, preset: Preset, config: AppConfig, tokenize
             rows += run_serve_llm(scenario, config, proxy_url, tokenizer, preset, model)
         else:
             if app_url is None:
-                from app.launch import replace_app
+                from app.ops.launch import replace_app
 
                 replace_app(config)
                 app_url = proxy_url
@@ -216,7 +216,7 @@ def run(target: Target | str | None, systems: list[str], preset: str | Preset, c
     labelled scenario "app"."""
     from tqdm import tqdm
 
-    from app.launch import start_serve
+    from app.ops.launch import start_serve
 
     target = target if isinstance(target, Target) else resolve(target, config)
     if target.url is not None and set(systems) & set(PEERS):
@@ -235,7 +235,7 @@ def run_all(names: list[str], preset: Preset, base_args: dict[str, str],
     """Every scenario on a local Ray and Serve, one after another; returns rows and the base config."""
     from tqdm import tqdm
 
-    from app.launch import delete_app, start_serve
+    from app.ops.launch import delete_app, start_serve
 
     plan = [scenarios(preset)[n] for n in names]
     base = load_config({"max_model_len": str(preset.max_model_len), **base_args})

@@ -85,7 +85,7 @@ def systems_up(target: Target, vllm_url: str | None, config, haproxy: bool) -> I
     if target.url:
         yield {"vllm": vllm_url, "on-decode": target.url}
         return
-    from app.launch import replace_app, start_serve
+    from app.ops.launch import replace_app, start_serve
     from benchmarks.peers import plain_vllm
 
     app_url = start_serve(haproxy=haproxy)

@@ -13,10 +13,10 @@ from contextlib import contextmanager
 import httpx
 
 from app.config import AppConfig, EngineGroupConfig
-from app.engine import engine_plugin_env, scheduler_class, scheduling_policy
-from app.launch import worker_niceness
-from app.nixl_worker import POLL_DELAY_ENV
-from app.ports import free_port
+from app.engine.adapter import engine_plugin_env, scheduler_class, scheduling_policy
+from app.engine.nixl_worker import POLL_DELAY_ENV
+from app.engine.ports import free_port
+from app.ops.launch import worker_niceness
 
 SERVE_LLM_APP = "serve-llm-pd"
 SERVE_LLM_PREFIX = "/serve-llm"
@@ -93,7 +93,7 @@ def serve_llm_pd_args(config: AppConfig) -> dict:
         transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
                     "kv_connector_extra_config": {"backends": list(config.nixl_backends)}}
         engine = {**peer_engine_kwargs(config, group), "enable_prefix_caching": group.prefix_caching,
-                  "kv_transfer_config": transfer, "worker_extension_cls": "app.nixl_worker.NixlWorkerExtension"}
+                  "kv_transfer_config": transfer, "worker_extension_cls": "app.engine.nixl_worker.NixlWorkerExtension"}
         if group.num_gpu_blocks_override:
             engine["num_gpu_blocks_override"] = group.num_gpu_blocks_override
         env = {"VLLM_CPU_KVCACHE_SPACE": str(group.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": str(core),

@@ -19,8 +19,8 @@ import uuid
 
 from openai import OpenAI
 
-from app.client import TurnResult, chat_turn
 from app.config import load_config
+from app.ops.client import TurnResult, chat_turn
 from benchmarks.target import Target, add_target_args, decisions, resolve_target
 from benchmarks.workload import open_target, text_of_tokens
 

@@ -20,7 +20,7 @@ from dataclasses import replace
 from functools import partial
 
 from app.config import EngineGroupConfig, load_config
-from app.routing import RoutingPolicy
+from app.turn.routing import RoutingPolicy
 from benchmarks.report import ideal_prefill, later_turn_hit, percentile
 from benchmarks.target import Target, add_target_args, decisions, resolve_target
 from benchmarks.workload import Profile, open_target, run_conversation
@@ -81,7 +81,7 @@ def main() -> None:
         if target.url is None:
             client, tokenizer, target = open_target(target, config)
         else:
-            from app.launch import replace_app
+            from app.ops.launch import replace_app
 
             replace_app(config)
         print(f"\n{count} prefill replica(s), 1 decode, {args.conversations} concurrent conversations x "

@@ -45,10 +45,10 @@ from pathlib import Path
 
 import openai
 
-from app.client import TurnResult, chat_turn, completion_turn
 from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
-from app.turn import turn_priority
+from app.ops.client import TurnResult, chat_turn, completion_turn
+from app.turn.loop import turn_priority
 from benchmarks.cpu_profile import CLIENT_ROLE, snapshot, spent_since
 from benchmarks.multi_turn import app_decisions, key_value, rows_of
 from benchmarks.report import Row, ideal_tokens, later_hit_share, percentile, wall_s
@@ -372,7 +372,7 @@ def sweep(levels: list[int], repeats: int, systems: list[str], config: AppConfig
 
 def start_systems(systems: list[str], config: AppConfig, peer_config: AppConfig, running: ExitStack) -> dict[str, str]:
     """A local Serve with the app and the peers `systems` need (they stop with `running`); each system's URL."""
-    from app.launch import replace_app, start_serve
+    from app.ops.launch import replace_app, start_serve
     from benchmarks.peers import plain_vllm, serve_llm_pd
 
     proxy_url = start_serve()

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 
 from openai import OpenAI
 
-from app.client import TurnResult, chat_turn
 from app.config import TINY_MODEL, AppConfig
 from app.model.tiny import corpus_lines, ensure_tiny_model
+from app.ops.client import TurnResult, chat_turn
 from benchmarks.target import NO_KEY, Target
 
 
@@ -20,7 +20,7 @@ def open_target(target: Target, config: AppConfig) -> tuple[OpenAI, object, Targ
     """A client for the target, once the embedded default is started here with `config` if the
     target has no URL; a tokenizer (the target model's, for sizing prompts); the target with its URL."""
     if target.url is None:
-        from app.launch import start_local
+        from app.ops.launch import start_local
 
         target = replace(target, url=start_local(config))
     return openai_client(target.url, target.api_key), load_tokenizer(target.app_config(config)), target

@@ -40,7 +40,7 @@ scrape_configs:
 
 
 def start_prometheus(workdir: Path, data_dir: Path, metrics_port: int) -> tuple[subprocess.Popen, str]:
-    from app.ports import free_port
+    from app.engine.ports import free_port
 
     (workdir / "prometheus.yml").write_text(PROMETHEUS_YML.format(port=metrics_port))
     port = free_port("127.0.0.1")
@@ -87,7 +87,7 @@ def snapshot(out: Path, minutes: float, systems: list[str], in_flight: int, turn
     import ray
 
     from app.config import load_config
-    from app.launch import replace_app, start_serve, stop_local
+    from app.ops.launch import replace_app, start_serve, stop_local
     from benchmarks.multi_turn import APP_SYSTEMS, PRESETS, warm_up
     from benchmarks.workload import load_tokenizer
 

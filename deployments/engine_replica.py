@@ -16,10 +16,8 @@ from logging.handlers import MemoryHandler
 import ray
 from ray import serve
 
-from app import kv_events
-from app.autoscaling import KV_CACHE_USAGE, RUNNING_SEQS, WAITING_SEQS
 from app.config import TINY_MODEL, AppConfig
-from app.engine import (
+from app.engine.adapter import (
     Engine,
     engine_timing,
     from_vllm_params,
@@ -28,10 +26,12 @@ from app.engine import (
     to_vllm_params,
     token_logprobs,
 )
+from app.engine.nixl_backends import resolve_backends
+from app.engine.versions import check_supported
+from app.kv import events as kv_events
 from app.model.tiny import ensure_tiny_model
-from app.nixl_backends import resolve_backends
 from app.protocol import DecodeRequest, EngineStatus, KVHandoff, ReplicaInfo, ReplyChunk, RetainedBlocks, Role
-from app.versions import check_supported
+from deployments.autoscaling import KV_CACHE_USAGE, RUNNING_SEQS, WAITING_SEQS
 
 logger = logging.getLogger("ray.serve")
 
@@ -178,7 +178,7 @@ class EngineReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom-metrics hook, called only when the group autoscales: the engine's load
-        as vLLM last stepped (an idle engine's last step stands), for app/autoscaling.py's policies."""
+        as vLLM last stepped (an idle engine's last step stands), for deployments/autoscaling.py's policies."""
         load = self.engine.load
         return {RUNNING_SEQS: load.num_running_reqs, WAITING_SEQS: load.num_waiting_reqs,
                 KV_CACHE_USAGE: load.kv_cache_usage}

@@ -4,7 +4,7 @@ client ──HTTP──▶ here: key, validate ──ClientRequest──▶ rout
 The API key is checked first, before the body is read (deployments/http_guard.py); /docs, /redoc
 and /openapi.json are served only with `openapi_docs`. It holds no conversation state, so nothing
 is lost with it but its open connections; a router replica that dies mid-reply is replaced under
-the reply (app/relay.py). Every failure answers in
+the reply (app/turn/relay.py). Every failure answers in
 the OpenAI error shape: 400/401/403/404/413 for the client's mistakes, 503 + Retry-After past its
 admission bound or while no engine or router can serve, 504 when a stage times out, 500 otherwise
 (in-band once a stream has started).
@@ -27,9 +27,8 @@ from ray.serve import metrics
 from ray.serve.context import _get_global_client
 from ray.serve.exceptions import BackPressureError
 
-from app.chat import BadRequest
 from app.config import AppConfig
-from app.openai_api import (
+from app.conversations.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
@@ -40,14 +39,15 @@ from app.openai_api import (
     sse,
     usage,
 )
+from app.conversations.rendering import BadRequest
+from app.conversations.reply_parsing import ReplyParsing
+from app.conversations.request_check import vllm_responses_defaults
+from app.conversations.responses import ResponsesRequest, ResponseStream
+from app.conversations.tenants import KeyRing, Unauthorized, open_api_refusal
 from app.protocol import ClientRequest
-from app.relay import Admission, NoRouterAlive, Relay
-from app.reply import EngineRefused, NoEngineAlive, StageTimeout
-from app.reply_parsing import ReplyParsing
-from app.request_check import vllm_responses_defaults
-from app.responses import ResponsesRequest, ResponseStream
-from app.routing import NoPrefillReplica
-from app.tenants import KeyRing, Unauthorized, open_api_refusal
+from app.turn.relay import Admission, NoRouterAlive, Relay
+from app.turn.reply import EngineRefused, NoEngineAlive, StageTimeout
+from app.turn.routing import NoPrefillReplica
 from deployments.http_guard import HttpGuard, error_response, open_paths, serve_docs
 
 logger = logging.getLogger("ray.serve")

@@ -15,8 +15,8 @@ import logging
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from app.openai_api import error_body
-from app.tenants import Forbidden, Unauthorized
+from app.conversations.openai_api import error_body
+from app.conversations.tenants import Forbidden, Unauthorized
 
 logger = logging.getLogger("ray.serve")
 
@@ -117,7 +117,7 @@ async def send_within(send, message, timeout_s: float) -> None:
 
 
 def _refused(state, path: str, authorization: bytes | None) -> tuple[int, dict] | None:
-    """401 or 403 unless the key may reach `path` (app/tenants.py KeyRing.authenticate)."""
+    """401 or 403 unless the key may reach `path` (app/conversations/tenants.py KeyRing.authenticate)."""
     try:
         state.keys.authenticate(path, authorization.decode("latin-1") if authorization else None, state.open_paths)
     except (Unauthorized, Forbidden) as exc:

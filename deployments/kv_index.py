@@ -1,4 +1,4 @@
-"""The KV index actor: one replica holding app.kv_index.KVIndex and the shared conversation records.
+"""The KV index actor: one replica holding app.kv.index.KVIndex and the shared conversation records.
 
 engine replicas ──register (heartbeat)──▶ here ◀──lookup/take/record──▶ router replicas
 prefill replicas ──apply_kv_events (their engines' KV cache events, block hashes only)──▶ here
@@ -13,11 +13,11 @@ import time
 from ray import serve
 from ray.serve import metrics
 
-from app import kv_events
-from app.bounded import TenantLRU
 from app.config import AppConfig
-from app.conversations import ConversationStore, HistoryMatch
-from app.kv_index import KVIndex, SequenceKey
+from app.conversations.bounded import TenantLRU
+from app.conversations.records import ConversationStore, HistoryMatch
+from app.kv import events as kv_events
+from app.kv.index import KVIndex, SequenceKey
 from app.protocol import (
     KVEvents,
     Membership,
@@ -64,7 +64,7 @@ class KVIndexServer:
         self.index.register(info)
 
     async def apply_kv_events(self, events: KVEvents) -> None:
-        """A prefill replica's KV cache events, in its engine's order (app/kv_events.py). Ignored from
+        """A prefill replica's KV cache events, in its engine's order (app/kv/events.py). Ignored from
         a replica the index does not know: one forgotten when its heartbeats stopped (its blocks went
         with it) or not registered again yet after the index restarted; its next registration starts
         its blocks afresh, and what the index missed meanwhile costs reuse only."""

@@ -10,9 +10,9 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from app.autoscaling import QUEUED_PREFILL_TOKENS, QueuedTokens
-from app.engine import engine_timing, from_vllm_params, hold_params, to_vllm_params, token_logprobs
+from app.engine.adapter import engine_timing, from_vllm_params, hold_params, to_vllm_params, token_logprobs
 from app.protocol import PrefillRequest, PrefillResult, ReplyChunk, Role, SamplingSettings
+from deployments.autoscaling import QUEUED_PREFILL_TOKENS, QueuedTokens
 from deployments.engine_replica import EngineReplica
 from deployments.targeted_router import TargetedRequestRouter
 

@@ -20,18 +20,18 @@ from typing import Any
 
 from ray import serve
 
-from app.chat import PromptRenderer, within_budget
 from app.config import TINY_MODEL, AppConfig, Device
-from app.ledger import TurnLedger
+from app.conversations.openai_api import ChatCompletionRequest, GenerationRequest
+from app.conversations.rendering import PromptRenderer, within_budget
+from app.conversations.reply_parsing import ReplyParsing
+from app.conversations.request_check import RequestCheck
+from app.conversations.sessions import ChatSessions, HistoryQuery, RenderedTurn
+from app.conversations.tenants import KeyRing, cache_salt, cache_scope, open_api_warning
 from app.metrics import TurnMetrics, kv_bytes_per_token
 from app.model.tiny import ensure_tiny_model
-from app.openai_api import ChatCompletionRequest, GenerationRequest
 from app.protocol import ClientRequest, ReplyChunk, ReplyStart, Resume, Role, SamplingSettings, StoredResponse
-from app.reply_parsing import ReplyParsing
-from app.request_check import RequestCheck
-from app.sessions import ChatSessions, HistoryQuery, RenderedTurn
-from app.tenants import KeyRing, cache_salt, cache_scope, open_api_warning
-from app.turn import Turn, TurnLoop
+from app.turn.ledger import TurnLedger
+from app.turn.loop import Turn, TurnLoop
 
 logger = logging.getLogger("ray.serve")
 

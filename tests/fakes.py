@@ -4,9 +4,9 @@ from types import SimpleNamespace
 from unittest.mock import MagicMock
 
 from app.config import AppConfig
-from app.ledger import TurnLedger
 from app.protocol import Membership, PrefillResult, PrefixLookup, ReplyChunk
-from app.turn import Turn, TurnLoop
+from app.turn.ledger import TurnLedger
+from app.turn.loop import Turn, TurnLoop
 
 
 class Remote:

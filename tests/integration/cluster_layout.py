@@ -160,8 +160,8 @@ def run(workdir: Path) -> dict[str, Any]:
     import ray
 
     from app.config import load_config
+    from app.engine.ports import free_port
     from app.model.tiny import ensure_tiny_model
-    from app.ports import free_port
 
     port = free_port("127.0.0.1")
     config = serve_config(str(workdir / "models"), port)
@@ -188,7 +188,7 @@ def drive(config: dict, app_config, url: str, started: float) -> dict[str, Any]:
     from ray import serve
 
     from app.metrics import kv_bytes_per_token
-    from app.tools.oracle import start_reference
+    from app.ops.oracle import start_reference
 
     app_name, timings = config["applications"][0]["name"], {}
     deploy(config)
@@ -241,8 +241,8 @@ def isolate_ray() -> Path:
     metrics ports (fixed by default; another Serve may be running here). The app's secrets in the
     variable serve.yaml names and Ray's token authentication, set before any node starts, as
     cluster.yaml sets them on every node."""
-    from app.launch import HAPROXY_ENV
-    from app.ports import free_port
+    from app.engine.ports import free_port
+    from app.ops.launch import HAPROXY_ENV
 
     ray_tmp = Path(tempfile.mkdtemp(prefix="kvlc-"))  # short: Ray's socket paths live under it
     os.environ.pop("RAY_ADDRESS", None)

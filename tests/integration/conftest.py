@@ -12,10 +12,10 @@ import pytest
 import ray
 from openai import OpenAI
 
-from app.client import TurnResult, chat_turn
 from app.config import load_config
-from app.launch import start_local, stop_local
-from app.tools.oracle import start_reference
+from app.ops.client import TurnResult, chat_turn
+from app.ops.launch import start_local, stop_local
+from app.ops.oracle import start_reference
 
 SYSTEM_PROMPT = "You are a helpful assistant. " + " ".join(
     f"Rule {i}: the router keeps an index of which replica holds which blocks, and until when." for i in range(30))

@@ -7,7 +7,7 @@ resource, as a p5en.48xlarge node does (ray.cluster_utils.Cluster: Ray schedules
 real node and sets each replica's CUDA_VISIBLE_DEVICES; nothing runs on them). The engine
 deployments are serve.yaml's, built as `serve deploy` builds them, with every Serve and actor
 option unchanged; only the class is a probe that, in the placed replica, runs vLLM's executor
-selection and placement checks (app/preflight.py) instead of starting an engine: once with the
+selection and placement checks (app/ops/preflight.py) instead of starting an engine: once with the
 app's engine arguments and once with the executor left for vLLM to choose, the shape that vLLM
 refused. Writes what each replica saw as JSON for test_gpu_placement.py to judge.
 """
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.launch import HAPROXY_ENV
+from app.ops.launch import HAPROXY_ENV
 from tests.integration.cluster_layout import isolate_ray, worker_node_types
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ class EngineProbe:
         import ray
 
         from app import config as app_config
-        from app.preflight import vllm_placement_problems
+        from app.ops.preflight import vllm_placement_problems
 
         self.seen = {"node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": ray.get_gpu_ids(),
                      "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
@@ -55,7 +55,7 @@ def run() -> dict[str, Any]:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from app.preflight import build_applications, deployments, serve_config
+    from app.ops.preflight import build_applications, deployments, serve_config
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     for resources in worker_node_types().values():

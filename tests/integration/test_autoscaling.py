@@ -20,10 +20,10 @@ import pytest
 import ray
 from ray import serve
 
-from app.client import TurnResult, chat_turn
 from app.config import Autoscaling, PrefillScaling
-from app.hashing import common_prefix_len
-from app.launch import APP_NAME, replace_app
+from app.kv.hashing import common_prefix_len
+from app.ops.client import TurnResult, chat_turn
+from app.ops.launch import APP_NAME, replace_app
 from tests.integration.conftest import SYSTEM_PROMPT, USER_TURNS, decisions_by_request, reference_ids, run_conversation
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]
@@ -97,7 +97,7 @@ def _controller_queued_tokens() -> float:
     from ray.serve._private.common import DeploymentID
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-    from app.autoscaling import QUEUED_PREFILL_TOKENS
+    from deployments.autoscaling import QUEUED_PREFILL_TOKENS
 
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     metrics = ray.get(controller._get_metrics_for_deployment_for_testing.remote(

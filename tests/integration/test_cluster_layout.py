@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app.hashing import common_prefix_len
+from app.kv.hashing import common_prefix_len
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """Decode's continuation of a prompt computed on prefill goes ahead of the prompts waiting on decode
-(app/turn.py, CONTINUATION_PRIORITY), on the session's app: real engines, real NIXL."""
+(app/turn/loop.py, CONTINUATION_PRIORITY), on the session's app: real engines, real NIXL."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-from app.client import TurnResult, chat_turn
+from app.ops.client import TurnResult, chat_turn
 from tests.integration.conftest import SYSTEM_PROMPT, decisions_by_request, reference_ids
 
 pytestmark = pytest.mark.integration

@@ -4,8 +4,8 @@ tenant isolation. The tiny model's template drops the empty think block from his
 import httpx
 import pytest
 
-from app.client import chat_turn
-from app.hashing import common_prefix_len
+from app.kv.hashing import common_prefix_len
+from app.ops.client import chat_turn
 from tests.integration.conftest import (
     SYSTEM_PROMPT,
     USER_TURNS,

@@ -11,10 +11,10 @@ import httpx
 import pytest
 import ray
 
-from app.client import chat_turn
-from app.hashing import common_prefix_len
-from app.launch import replace_app
-from app.tools import faults
+from app.kv.hashing import common_prefix_len
+from app.ops import faults
+from app.ops.client import chat_turn
+from app.ops.launch import replace_app
 from tests.integration.conftest import SYSTEM_PROMPT, make_client, reference_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -54,7 +54,7 @@ def test_a_fault_between_turns_costs_no_turn_and_no_wrong_token(fault, client, r
     finally:
         faults.wait_whole(base_url, gone=(hit,))
     # The killed replica's engine processes exit with it (Ray's raylet, the workers' subreaper, kills
-    # them; app/engine_process.py covers the raylet's own death), not live on beside its replacement.
+    # them; app/engine/process.py covers the raylet's own death), not live on beside its replacement.
     faults.wait_until(lambda: not faults.running(engines), timeout_s=30)
 
 

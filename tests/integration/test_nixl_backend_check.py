@@ -10,7 +10,7 @@ import pytest
 import ray
 from ray import serve
 
-from app.launch import APP_NAME, delete_app, replace_app, start_serve, stop_local
+from app.ops.launch import APP_NAME, delete_app, replace_app, start_serve, stop_local
 from tests.integration.conftest import INGRESS_DRAIN_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from ray import serve
 
-from app.client import chat_turn
-from app.hashing import common_prefix_len
-from app.launch import APP_NAME
+from app.conversations.tenants import cache_salt
+from app.kv.hashing import common_prefix_len
+from app.ops.client import chat_turn
+from app.ops.launch import APP_NAME
 from app.protocol import EngineEndpoint, KVHandoff, RetainedBlocks, TurnRecords
-from app.tenants import cache_salt
 from tests.integration.conftest import (
     SYSTEM_PROMPT,
     USER_TURNS,
@@ -153,7 +153,7 @@ def test_client_supplied_transfer_params_change_nothing(client, http, conversati
 def _plant_retained(prompt_ids: list[int], port: int, expires_in_s: float, salt_secret: str) -> None:
     """Put a retained sequence in the index that covers the prompt but cannot be read: it names the
     live decode replica, with blocks at an engine endpoint where nothing listens."""
-    from app.tools.faults import engine_status
+    from app.ops.faults import engine_status
 
     ghost = EngineEndpoint(engine_id="ghost-decode", host="127.0.0.1", port=port)
     blocks = (tuple(range(len(prompt_ids) // 32)),)
@@ -171,8 +171,8 @@ def _fresh_conversation(tag: str) -> list[dict]:
 
 
 def _plant_for(messages: list[dict], app_config, expires_in_s: float) -> None:
-    from app.chat import PromptRenderer
-    from app.ports import free_port
+    from app.conversations.rendering import PromptRenderer
+    from app.engine.ports import free_port
 
     renderer = PromptRenderer(app_config.model_path(), app_config.max_model_len)
     _plant_retained(renderer.chat(messages, {}) + [7] * 64, free_port("127.0.0.1"), expires_in_s,
@@ -248,7 +248,7 @@ def test_the_serving_path_runs_ahead_of_the_engines_on_shared_cores(client, app_
     engine processes at engine_nice: the serving path's Python never waits behind a prefill."""
     import psutil
 
-    from app.tools.faults import _actor_pid, engine_pids, replica_names
+    from app.ops.faults import _actor_pid, engine_pids, replica_names
 
     for deployment in ("frontend", "router", "KVIndexServer", "prefill", "decode"):
         assert psutil.Process(_actor_pid(replica_names(deployment)[0])).nice() == 0, deployment
@@ -262,7 +262,7 @@ def test_each_engine_replica_still_writes_its_serve_log_after_its_engine_started
     decode's and prefill's own lines (pool trimming, failures) went nowhere."""
     from ray._private.worker import _global_node
 
-    from app.tools.faults import replica_names
+    from app.ops.faults import replica_names
 
     logs = Path(_global_node.get_logs_dir_path()) / "serve"
     for deployment in ("prefill", "decode"):
@@ -273,10 +273,10 @@ def test_each_engine_replica_still_writes_its_serve_log_after_its_engine_started
 
 def test_each_engine_computes_on_its_own_core(client):
     """vLLM's NIXL connector pinned the thread that runs the model to the machine's last core, so
-    both engines computed on it while the first core served only Python (app/nixl_worker.py)."""
+    both engines computed on it while the first core served only Python (app/engine/nixl_worker.py)."""
     import psutil
 
-    from app.tools.faults import _actor_pid, replica_names
+    from app.ops.faults import _actor_pid, replica_names
 
     last = (os.cpu_count() or 1) - 1
     for deployment, core in (("prefill", 0), ("decode", last)):

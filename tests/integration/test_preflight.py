@@ -1,4 +1,4 @@
-"""`python -m app.preflight` on the shipped GPU configs and on broken ones, as a user runs it before
+"""`python -m app.ops.preflight` on the shipped GPU configs and on broken ones, as a user runs it before
 a deploy: exit 0 on serve.yaml and kuberay.yaml; exit 1 naming the key to change otherwise. Each run
 starts a throwaway Ray of its own (in its own temp dir), before the shared app starts."""
 
@@ -19,7 +19,7 @@ TIMEOUT_S = 180
 def preflight(path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="kvpf-")}
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "app.preflight", str(path)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "app.ops.preflight", str(path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 
 

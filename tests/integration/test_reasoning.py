@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import ray
 
-from app.launch import replace_app
-from app.tools import faults
+from app.ops import faults
+from app.ops.launch import replace_app
 from tests.integration.conftest import SYSTEM_PROMPT, decisions_by_request
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]

@@ -9,9 +9,9 @@ import pytest
 from ray import serve
 
 from app.config import EngineGroupConfig
-from app.hashing import common_prefix_len
-from app.launch import APP_NAME, replace_app
-from app.tools import faults
+from app.kv.hashing import common_prefix_len
+from app.ops import faults
+from app.ops.launch import APP_NAME, replace_app
 from tests.integration.conftest import (
     SYSTEM_PROMPT,
     USER_TURNS,

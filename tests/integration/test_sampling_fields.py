@@ -5,7 +5,7 @@ token, penalties give the plain engine's tokens, and bad values are a 400 naming
 import pytest
 import ray
 
-from app.client import chat_turn
+from app.ops.client import chat_turn
 from tests.integration.conftest import SYSTEM_PROMPT, decisions_by_request
 
 pytestmark = pytest.mark.integration

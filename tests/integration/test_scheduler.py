@@ -1,13 +1,13 @@
 """A later turn that arrives while a first turn's long prompt is being computed in chunks starts in
-the next step, not after that whole prompt (app/scheduler.py), in a real vLLM engine."""
+the next step, not after that whole prompt (app/engine/scheduler.py), in a real vLLM engine."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from app.client import completion_turn
 from app.config import load_config
 from app.model.tiny import ensure_tiny_model
-from app.turn import turn_priority
+from app.ops.client import completion_turn
+from app.turn.loop import turn_priority
 from benchmarks.peers import plain_vllm
 from benchmarks.workload import openai_client
 

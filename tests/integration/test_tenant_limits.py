@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from app.config import Limits
-from app.launch import replace_app
-from app.tools import faults
+from app.ops import faults
+from app.ops.launch import replace_app
 from tests.integration.conftest import make_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]

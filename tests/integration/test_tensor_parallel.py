@@ -9,8 +9,8 @@ from dataclasses import replace
 import psutil
 import pytest
 
-from app.launch import replace_app
-from app.tools import faults
+from app.ops import faults
+from app.ops.launch import replace_app
 from tests.integration.conftest import SYSTEM_PROMPT, USER_TURNS, reference_ids, run_conversation
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]

@@ -4,7 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.autoscaling import (
+from app.config import AppConfig, PrefillScaling, load_config
+from app.ops.preflight import deployments as _deployments
+from deployments.autoscaling import (
     KV_CACHE_USAGE,
     QUEUED_PREFILL_TOKENS,
     RUNNING_SEQS,
@@ -14,9 +16,7 @@ from app.autoscaling import (
     QueuedTokens,
     replica_options,
 )
-from app.config import AppConfig, PrefillScaling, load_config
-from app.graph import build_graph
-from app.preflight import deployments as _deployments
+from deployments.graph import build_graph
 
 
 def context(metrics: dict | None, current: int = 1, target: int = 1, state: dict | None = None):

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from app.chat import BadRequest, PromptRenderer, within_budget
+from app.conversations.rendering import BadRequest, PromptRenderer, within_budget
 from app.model.tiny import ensure_tiny_model
 
 MESSAGES = [{"role": "user", "content": "Hi"}]

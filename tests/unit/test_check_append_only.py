@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from app.tools.check_append_only import main
+from app.ops.check_append_only import main
 
 WORDS = ["[UNK]", "system", ":", ".", "user", "assistant", *"abcdefgh", "q1", "x", "r1", "r2", "r3", "q2", "y",
          "<think>", "t1", "</think>"]

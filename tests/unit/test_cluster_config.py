@@ -2,13 +2,13 @@
 
 from pathlib import Path
 
-from app.preflight import deployments as _deployments
+from app.ops.preflight import deployments as _deployments
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_serve_yaml_builds_the_gpu_graph_with_one_bundle_per_engine_holding_its_gpus():
-    from app.preflight import build_applications, serve_config
+    from app.ops.preflight import build_applications, serve_config
 
     (app,) = build_applications(serve_config(ROOT / "serve.yaml")[0])
     deployments = {d.name: d for d in _deployments(app)}
@@ -25,7 +25,7 @@ def test_serve_yaml_builds_the_gpu_graph_with_one_bundle_per_engine_holding_its_
 
 def test_every_deployment_takes_its_limits_and_runtime_from_the_config_not_serve_s_defaults():
     from app.config import load_config
-    from app.graph import build_graph
+    from deployments.graph import build_graph
 
     config = load_config({"limits.drain_timeout_s": "45", "limits.health_check_period_s": "3"})
     deployments = {d.name: d for d in _deployments(build_graph(config))}

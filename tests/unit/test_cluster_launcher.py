@@ -261,7 +261,7 @@ def test_the_deploy_line_is_ray_exec_of_the_venvs_preflight_and_serve_deploy():
     (deploy,) = [line for line in header if "serve deploy" in line]
     words = shlex.split(deploy)
     assert words[:3] == ["ray", "exec", "cluster.yaml"]
-    assert words[3] == (f"cd {PROJECT} && .venv/bin/python -m app.preflight serve.yaml "
+    assert words[3] == (f"cd {PROJECT} && .venv/bin/python -m app.ops.preflight serve.yaml "
                         "&& .venv/bin/serve deploy serve.yaml")
     assert f"`{deploy}`" in (ROOT / "docs" / "kuberay.md").read_text()
 

@@ -1,5 +1,5 @@
-from app.bounded import RecordBounds
-from app.conversations import (
+from app.conversations.bounded import RecordBounds
+from app.conversations.records import (
     BreakCause,
     ConversationRecord,
     ConversationStore,

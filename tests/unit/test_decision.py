@@ -1,5 +1,5 @@
-from app.decision import PullPolicy, decide, pullable_tokens
 from app.protocol import Action, PrefixLookup, Reason, RetainedMatch
+from app.turn.decision import PullPolicy, decide, pullable_tokens
 from tests.factories import BLOCK, retained
 
 NOW = 1000.0

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from app.config import AppConfig
-from app.membership import LiveEngines
 from app.protocol import Action, LoadReport, Membership, PrefillResult, Reason, ReplyChunk, Role, SamplingSettings
-from app.reply import NoEngineAlive
-from app.turn import Turn
+from app.turn.loop import Turn
+from app.turn.membership import LiveEngines
+from app.turn.reply import NoEngineAlive
 from deployments.decode import DecodeServer
 from tests.factories import BLOCK, handoff, retained
 from tests.fakes import ONE_OF_EACH, DecodeGroup, Remote, run_turn, turn_loop
@@ -83,8 +83,8 @@ def test_a_request_the_engine_refuses_is_the_client_s_error_tried_once_and_suspe
     suspecting each engine in turn. Prefill refusing it, or decode refusing the continuation."""
     from vllm.exceptions import VLLMValidationError
 
-    from app.chat import BadRequest
     from app.config import Placement
+    from app.conversations.rendering import BadRequest
 
     refused = VLLMValidationError("stop cannot contain an empty string.")
     loop = turn_loop(PREFILLED, DecodeGroup(REPLY), members=Membership(("p0", "p1"), ("d0", "d1")),
@@ -144,7 +144,7 @@ def test_a_restarted_index_adds_to_the_known_engines_until_every_engine_has_rene
 
 def test_a_stage_that_does_not_answer_in_time_is_a_timeout_not_a_hang():
     from app.config import Limits
-    from app.reply import StageTimeout
+    from app.turn.reply import StageTimeout
 
     class Hangs:
         def remote(self, _):
@@ -185,7 +185,7 @@ def test_prefill_s_handoff_is_released_when_the_reply_moved_before_decode_read_i
 def test_a_call_waiting_on_a_replica_that_leaves_the_live_set_is_abandoned():
     """Serve can hold a call to a dead replica until its replacement starts (tens of seconds):
     the router gives up on it once the replica's heartbeats stop."""
-    from app.reply import EngineGone, unless_gone
+    from app.turn.reply import EngineGone, unless_gone
 
     async def scenario():
         members = {"d0"}

@@ -1,6 +1,6 @@
 import time
 
-from app.engine import from_vllm_params, to_vllm_params
+from app.engine.adapter import from_vllm_params, to_vllm_params
 from app.protocol import Role
 
 
@@ -33,7 +33,7 @@ def test_prefill_params_make_decode_read():
 
 def test_kv_events_stay_on_the_node_and_the_nixl_side_channel_binds_the_node_s_address_only():
     from app.config import AppConfig
-    from app.engine import assign_identity, engine_args, engine_env
+    from app.engine.adapter import assign_identity, engine_args, engine_env
 
     config = AppConfig()
     identity = assign_identity(config, Role.PREFILL, 0, "127.0.0.1")
@@ -51,7 +51,7 @@ def test_kv_events_stay_on_the_node_and_the_nixl_side_channel_binds_the_node_s_a
 
 def test_the_engine_scheduler_limits_come_from_the_config_and_the_peers_get_the_same():
     from app.config import AppConfig, EngineGroupConfig
-    from app.engine import assign_identity, engine_args
+    from app.engine.adapter import assign_identity, engine_args
     from benchmarks.peers import plain_vllm_command, serve_llm_pd_args
 
     config = AppConfig(engine_max_num_seqs=96, later_turns_first=False,
@@ -76,11 +76,11 @@ def test_the_engine_scheduler_limits_come_from_the_config_and_the_peers_get_the_
 
 def test_every_engine_and_peer_schedules_later_turns_before_running_chunks():
     from app.config import AppConfig
-    from app.engine import assign_identity, engine_args
+    from app.engine.adapter import assign_identity, engine_args
     from benchmarks.peers import plain_vllm_command, serve_llm_pd_args
 
     config = AppConfig()
-    ours = "app.scheduler.LaterTurnsFirstScheduler"
+    ours = "app.engine.scheduler.LaterTurnsFirstScheduler"
     for role, group in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode)):
         assert engine_args(config, group, assign_identity(config, role, 0, "127.0.0.1")).scheduler_cls == ours
     assert f"--scheduler-cls {ours}" in " ".join(plain_vllm_command(config, 8000))
@@ -95,7 +95,7 @@ def test_a_request_waiting_on_a_dead_engine_fails_at_once_and_a_cancelled_one_ca
 
     import pytest
 
-    from app.engine import EngineDied, while_alive
+    from app.engine.adapter import EngineDied, while_alive
 
     async def outputs(cancelled: list):
         yield "first"
@@ -134,7 +134,7 @@ def test_a_request_waiting_on_a_dead_engine_fails_at_once_and_a_cancelled_one_ca
 def test_engine_ports_lie_outside_the_ephemeral_range_so_no_other_bind_takes_them_first():
     import socket
 
-    from app.ports import _ephemeral_range, free_port
+    from app.engine.ports import _ephemeral_range, free_port
 
     low, high = _ephemeral_range()
     ports = {free_port("127.0.0.1") for _ in range(20)}
@@ -147,7 +147,7 @@ def test_engine_timing_splits_the_first_token_s_wait_from_vllm_s_request_stats()
     import time
     from types import SimpleNamespace
 
-    from app.engine import engine_timing
+    from app.engine.adapter import engine_timing
 
     called = time.monotonic() - 1.0
     stats = SimpleNamespace(queued_ts=called + 0.125, scheduled_ts=called + 0.5, first_token_ts=called + 0.75)
@@ -164,7 +164,7 @@ def test_the_event_sockets_folder_is_the_user_s_alone(tmp_path, monkeypatch):
 
     import pytest
 
-    from app.engine import private_socket_dir
+    from app.engine.adapter import private_socket_dir
 
     monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
     folder = private_socket_dir()

@@ -1,11 +1,11 @@
-"""The vLLM plugin that engine processes run on themselves (app/engine_process.py)."""
+"""The vLLM plugin that engine processes run on themselves (app/engine/process.py)."""
 
 
 def test_engine_processes_lower_their_own_priority_and_the_process_owning_the_engine_keeps_its(monkeypatch):
     import multiprocessing
     import os
 
-    from app import engine_process
+    from app.engine import process as engine_process
 
     calls, watched = [], []
     monkeypatch.setattr(os, "setpriority", lambda *args: calls.append(args))
@@ -33,7 +33,7 @@ def test_engine_processes_limit_how_long_their_shared_memory_readers_spin(monkey
     from vllm.distributed.device_communicators import shm_broadcast
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-    from app import engine_process
+    from app.engine import process as engine_process
 
     monkeypatch.setattr(SpinCondition, "__init__", SpinCondition.__init__)  # both restored after the test
     monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)
@@ -62,7 +62,7 @@ def test_engine_processes_limit_how_long_their_shared_memory_readers_spin(monkey
 
 ORPHAN_PARENT = """
 import multiprocessing, sys, time
-from app import engine_process
+from app.engine import process as engine_process
 
 def engine():
     engine_process.register()

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from app.config import APP_ENGINE_ARGS, AppConfig, Device, Limits, load_config
-from app.engine import assign_identity, engine_args, engine_env
+from app.engine.adapter import assign_identity, engine_args, engine_env
 from app.protocol import Role
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_the_cpu_tuning_is_off_on_cuda_unless_a_key_turns_it_on(gpu_config):
     assert {"KV_LOOP_ENGINE_NICE", "KV_LOOP_NIXL_POLL_DELAY_US", "KV_LOOP_IDLE_POLL_S"} <= set(env)
     cpu = AppConfig()
     assert "KV_LOOP_ENGINE_NICE" in engine_env(cpu, cpu.prefill, assign_identity(cpu, Role.PREFILL, 0, "127.0.0.1"))
-    assert _args(cpu).worker_extension_cls == "app.nixl_worker.NixlWorkerExtension"
+    assert _args(cpu).worker_extension_cls == "app.engine.nixl_worker.NixlWorkerExtension"
 
 
 def test_cpu_engines_bind_one_core_per_rank_prefill_from_the_first_decode_from_the_last(monkeypatch):

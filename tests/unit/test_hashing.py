@@ -1,6 +1,6 @@
 import pytest
 
-from app.hashing import block_hashes, common_prefix_len
+from app.kv.hashing import block_hashes, common_prefix_len
 
 
 def test_only_full_blocks_are_hashed():
@@ -30,7 +30,7 @@ def test_common_prefix_len():
 
 
 def test_tenants_get_distinct_stable_salts():
-    from app.tenants import cache_salt
+    from app.conversations.tenants import cache_salt
 
     assert cache_salt("a", "secret") == cache_salt("a", "secret") != cache_salt("b", "secret")
     assert cache_salt("a", "secret") != cache_salt("a", "another secret")  # unknowable without the server's
@@ -43,7 +43,7 @@ def test_parity_with_vllms_own_block_hashes(monkeypatch, tmp_path, algo):
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
-    from app.hashing import DEFAULT_HASH_SEED
+    from app.kv.hashing import DEFAULT_HASH_SEED
     from app.model.tiny import corpus_lines, ensure_tiny_model
 
     monkeypatch.setenv("PYTHONHASHSEED", str(DEFAULT_HASH_SEED))
@@ -64,7 +64,7 @@ def test_parity_with_vllms_own_block_hashes(monkeypatch, tmp_path, algo):
 def test_per_user_salting_is_opt_in_per_tenant():
     import pytest
 
-    from app.tenants import KeyRing, Unauthorized, cache_scope
+    from app.conversations.tenants import KeyRing, Unauthorized, cache_scope
 
     keys = KeyRing.of({"ka": "a", "kb": "b"}, ())
     assert cache_scope(keys.tenant_of("Bearer ka"), "u1", ("b",)) == "a"

@@ -1,4 +1,4 @@
-from app.horizon import EvictionHorizon
+from app.kv.horizon import EvictionHorizon
 
 
 def test_horizon_is_free_pool_over_the_rate_of_new_tokens():

@@ -4,7 +4,7 @@ get 413, escaped errors the OpenAI shape, and the API docs only when asked for."
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from app.tenants import KeyRing
+from app.conversations.tenants import KeyRing
 from deployments.http_guard import HttpGuard, open_paths, serve_docs
 
 KEY = {"Authorization": "Bearer key-a"}

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app import idle_poll
+from app.engine import idle_poll
 
 
 def core(unfinished=False, finished_ids=(), held_for_readers=False, running=False):

@@ -200,7 +200,7 @@ def test_ray_token_authentication_is_on_for_every_node_from_one_secret(service):
 
 def test_every_ray_container_gets_the_apps_secrets_from_the_secret(service, app_args):
     """Serve builds the graph in a task on any node, so every node's Ray processes need the variable."""
-    from app.tenants import SECRET_NAMES
+    from app.conversations.tenants import SECRET_NAMES
 
     assert app_args["secrets_env"] == SECRETS_ENV
     assert not SECRET_NAMES & set(app_args)  # no key or salt in the Serve config

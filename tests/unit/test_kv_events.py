@@ -7,8 +7,8 @@ import pickle
 import tempfile
 import time
 
-from app import kv_events
-from app.kv_index import KVIndex
+from app.kv import events as kv_events
+from app.kv.index import KVIndex
 from app.protocol import KVEvents
 from tests.factories import BLOCK, replica
 

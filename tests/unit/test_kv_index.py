@@ -1,5 +1,5 @@
-from app.hashing import block_hashes
-from app.kv_index import KVIndex
+from app.kv.hashing import block_hashes
+from app.kv.index import KVIndex
 from app.protocol import Role
 from tests.factories import BLOCK, replica, retained
 
@@ -73,7 +73,7 @@ def test_unregister_drops_a_replicas_records():
 def test_index_follows_a_recorded_engine_event_stream():
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-    from app import kv_events
+    from app.kv import events as kv_events
     from app.protocol import KVEvents
 
     def apply(batch):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from app.ledger import Release, TurnLedger, TurnState, settle
 from app.protocol import Role
+from app.turn.ledger import Release, TurnLedger, TurnState, settle
 from tests.factories import handoff, retained
 
 CLAIMED = retained(list(range(96)), 2000.0, request_id="old")

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from app.config import AppConfig
-from app.membership import LiveEngines
-from app.nixl_backends import BackendCheck, check_backends, choose_backends, resolve_backends
+from app.engine.nixl_backends import BackendCheck, check_backends, choose_backends, resolve_backends
 from app.protocol import LoadReport, Membership
+from app.turn.membership import LiveEngines
 
 LIBFABRIC_ONLY = AppConfig(nixl_backends=("LIBFABRIC",))
 
@@ -116,7 +116,7 @@ def test_health_lists_the_backends_each_group_s_live_engines_loaded():
 
 
 def test_the_engine_s_load_carries_its_backends_in_every_heartbeat():
-    from app.engine import LoadTracker
+    from app.engine.adapter import LoadTracker
 
     tracker = LoadTracker(1024, nixl_backends=("UCX",))
     tracker.observe_step(2, 0, 0.1)

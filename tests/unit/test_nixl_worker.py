@@ -1,11 +1,11 @@
-"""What each vLLM worker changes in NIXL and vLLM's NIXL connector (app/nixl_worker.py)."""
+"""What each vLLM worker changes in NIXL and vLLM's NIXL connector (app/engine/nixl_worker.py)."""
 
 import os
 import threading
 
 import pytest
 
-from app.nixl_worker import keep_cores_across
+from app.engine.nixl_worker import keep_cores_across
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to move a thread between")

@@ -2,7 +2,7 @@ import pytest
 from pydantic import ValidationError
 from vllm import SamplingParams
 
-from app.openai_api import ChatCompletionRequest, CompletionRequest, logprobs_body
+from app.conversations.openai_api import ChatCompletionRequest, CompletionRequest, logprobs_body
 
 
 def test_unknown_role_and_empty_messages_are_rejected():
@@ -27,7 +27,7 @@ def test_sampling_settings_from_the_request():
 
 
 def test_vllm_s_sampling_fields_reach_the_engine_s_sampling_params():
-    from app.engine import sampling_params
+    from app.engine.adapter import sampling_params
 
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=30, min_tokens=20, min_p=0.1,
                                  presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
@@ -90,7 +90,8 @@ def test_image_parts_are_refused_and_sampling_values_are_left_to_vllm_s_checks()
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
     with pytest.raises(ValidationError, match="image_url are not supported"):
         ChatCompletionRequest(messages=[{"role": "user", "content": [image]}])
-    # Typed here, checked by vLLM's own code in the router (app/request_check.py): no compile on the frontend's loop.
+    # Typed here, checked by vLLM's own code in the router (app/conversations/request_check.py): no compile
+    # on the frontend's loop.
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], structured_outputs={"regex": "(["},
                                  temperature=-1, top_k=-5, stop=[""])
     sampling = body.sampling(16)
@@ -107,7 +108,7 @@ def test_a_seed_beyond_int64_is_refused_as_vllm_s_server_refuses_it():
 
 def test_fields_that_ask_an_engine_for_unbounded_work_are_bounded():
     from app.config import Limits
-    from app.openai_api import CompletionRequest
+    from app.conversations.openai_api import CompletionRequest
 
     limits = Limits(max_stop_strings=2, max_stop_chars=8, max_regex_bytes=16)
 

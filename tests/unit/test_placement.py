@@ -4,7 +4,6 @@ import asyncio
 import time
 from dataclasses import replace
 
-from app.placement import Calibration, PlacementPolicy, decode_allowed, estimate
 from app.protocol import (
     Action,
     LoadReport,
@@ -17,7 +16,8 @@ from app.protocol import (
     Role,
     SamplingSettings,
 )
-from app.turn import Turn
+from app.turn.loop import Turn
+from app.turn.placement import Calibration, PlacementPolicy, decode_allowed, estimate
 from tests.factories import handoff, retained
 from tests.fakes import DecodeGroup, Remote, run_turn, turn_loop
 
@@ -70,7 +70,7 @@ def test_an_engine_with_requests_running_costs_the_step_in_flight_and_a_whole_st
 
 
 def test_a_step_is_timed_only_when_requests_ran_through_it():
-    from app.engine import LoadTracker
+    from app.engine.adapter import LoadTracker
 
     tracker = LoadTracker(kv_bytes_per_token=1024)
     for running, now in ((0, 1.0), (2, 9.0), (2, 9.1), (0, 9.3), (1, 20.0)):
@@ -217,7 +217,7 @@ def test_a_pull_queues_on_prefill_only_the_tokens_it_computes():
 
 
 def test_engines_measure_their_costs_from_vllm_s_own_stats():
-    from app.engine import LoadTracker
+    from app.engine.adapter import LoadTracker
 
     tracker = LoadTracker(kv_bytes_per_token=1024)
     tracker.observe_prefill(0.5, 8, 0)  # too short to measure
@@ -235,7 +235,7 @@ def test_engines_measure_their_costs_from_vllm_s_own_stats():
 def test_an_idle_engine_re_times_a_stale_compute_cost_a_request_during_the_probe_voids_it_and_the_least_stands():
     import time
 
-    from app.engine import Engine, LoadTracker
+    from app.engine.adapter import Engine, LoadTracker
 
     engine = object.__new__(Engine)  # the refresh logic alone: no vLLM engine behind it
     engine.tracker, engine.in_flight, engine.quiet_since = LoadTracker(1024, probe_window=3), 0, time.monotonic() - 5
@@ -293,7 +293,7 @@ def test_a_fit_no_turn_has_refreshed_for_its_ttl_is_forgotten_and_its_side_estim
 
 
 def test_a_burst_placed_between_heartbeats_sees_the_streams_this_router_opened_on_decode():
-    from app.membership import LiveEngines
+    from app.turn.membership import LiveEngines
 
     engines = LiveEngines(suspect_s=10.0)
     heartbeat = LoadReport(num_running_reqs=2, compute_s_per_token=1e-4)

@@ -4,8 +4,7 @@ deployments: the real flow and its oracle are in tests/integration/test_pipeline
 import asyncio
 import time
 
-from app.conversations import BreakCause, RenderDiagnostics, RenderMode
-from app.decision import PullPolicy, decide_prefill_on_decode
+from app.conversations.records import BreakCause, RenderDiagnostics, RenderMode
 from app.protocol import (
     Action,
     Membership,
@@ -17,7 +16,8 @@ from app.protocol import (
     Role,
     SamplingSettings,
 )
-from app.turn import Turn
+from app.turn.decision import PullPolicy, decide_prefill_on_decode
+from app.turn.loop import Turn
 from tests.factories import BLOCK, handoff, retained
 from tests.fakes import DecodeGroup, run_turn, turn_loop
 

@@ -8,7 +8,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from app.protocol import ClientRequest, ReplyChunk, ReplyStart
-from app.relay import NoRouterAlive, Relay
+from app.turn.relay import NoRouterAlive, Relay
 
 START = ReplyStart("chatcmpl-1", (1, 2, 3), cached_tokens=2, max_tokens=5)
 
@@ -85,7 +85,7 @@ def test_a_grammar_reply_does_not_move_and_a_router_that_keeps_dying_gives_up():
 def test_admission_holds_a_place_per_reply_until_it_ends_or_its_relay_is_dropped():
     import gc
 
-    from app.relay import Admission
+    from app.turn.relay import Admission
 
     admission = Admission(capacity=2, tenant_capacity=2)
     first, second = (Relay(None, None, 3) for _ in range(2))
@@ -100,7 +100,7 @@ def test_admission_holds_a_place_per_reply_until_it_ends_or_its_relay_is_dropped
 
 
 def test_one_tenant_holds_at_most_its_share_of_the_places():
-    from app.relay import Admission
+    from app.turn.relay import Admission
 
     admission = Admission(capacity=4, tenant_capacity=2)
     relays = [Relay(None, None, 3) for _ in range(4)]

@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from app.chat import BadRequest
-from app.conversations import message_chain
+from app.conversations.openai_api import ChatCompletionRequest
+from app.conversations.records import message_chain
+from app.conversations.rendering import BadRequest
+from app.conversations.reply_parsing import ReplyParsing
 from app.model.tiny import ensure_tiny_model
-from app.openai_api import ChatCompletionRequest
 from app.protocol import SamplingSettings
-from app.reply_parsing import ReplyParsing
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

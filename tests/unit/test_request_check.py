@@ -5,12 +5,12 @@ import re
 
 import pytest
 
-from app.chat import BadRequest, PromptRenderer
+from app.conversations.openai_api import IGNORED, REFUSED_BECAUSE, ChatCompletionRequest, CompletionRequest
+from app.conversations.rendering import BadRequest, PromptRenderer
+from app.conversations.request_check import RequestCheck, vllm_request_defaults
 from app.model.tiny import ensure_tiny_model
-from app.openai_api import IGNORED, REFUSED_BECAUSE, ChatCompletionRequest, CompletionRequest
 from app.protocol import SamplingSettings
-from app.reply import EngineRefused, refusal
-from app.request_check import RequestCheck, vllm_request_defaults
+from app.turn.reply import EngineRefused, refusal
 
 
 @pytest.fixture(scope="module")

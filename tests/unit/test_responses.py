@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from app.chat import BadRequest
+from app.conversations.rendering import BadRequest
+from app.conversations.responses import ItemIds, ResponsesRequest, ResponseStream, chat_messages, output_items
 from app.protocol import StoredResponse
-from app.responses import ItemIds, ResponsesRequest, ResponseStream, chat_messages, output_items
 
 CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'}
 

@@ -1,8 +1,8 @@
 import pytest
 
-from app.decision import PullPolicy
 from app.protocol import Action, PrefixLookup, RetainedMatch
-from app.routing import CostWeights, HashRing, NoPrefillReplica, PrefillChooser, RoutingPolicy
+from app.turn.decision import PullPolicy
+from app.turn.routing import CostWeights, HashRing, NoPrefillReplica, PrefillChooser, RoutingPolicy
 from tests.factories import BLOCK, retained
 
 NOW = 1000.0

@@ -1,4 +1,4 @@
-"""Which running chunks sit a step out for a waiting later turn (app/scheduler.py); the real engine's
+"""Which running chunks sit a step out for a waiting later turn (app/engine/scheduler.py); the real engine's
 behaviour is tests/integration/test_scheduler.py."""
 
 from types import SimpleNamespace
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import RequestStatus
 
-from app.scheduler import LaterTurnsBeforeChunks
-from app.turn import CONTINUATION_PRIORITY as CONTINUATION
-from app.turn import turn_priority
+from app.engine.scheduler import LaterTurnsBeforeChunks
+from app.turn.loop import CONTINUATION_PRIORITY as CONTINUATION
+from app.turn.loop import turn_priority
 
 FIRST, LATER = turn_priority(later=False), turn_priority(later=True)
 

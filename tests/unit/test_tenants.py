@@ -4,7 +4,7 @@ import json
 import pytest
 
 from app.config import AppConfig, load_config
-from app.tenants import (
+from app.conversations.tenants import (
     DEFAULT_TENANT,
     Forbidden,
     KeyRing,

@@ -43,8 +43,8 @@ def test_build_is_deterministic(tmp_path):
 
 
 def test_append_keeps_the_recorded_tokens_and_adds_only_the_new_messages(tokenizer, tmp_path):
-    from app.chat import PromptRenderer
-    from app.conversations import ConversationRecord
+    from app.conversations.records import ConversationRecord
+    from app.conversations.rendering import PromptRenderer
 
     renderer = PromptRenderer(tokenizer.name_or_path, 4096)
     first = renderer.chat(TURN1, {"enable_thinking": False})

@@ -1,4 +1,4 @@
-"""app.versions against the installed packages, and pyproject.toml against what the code imports."""
+"""app.engine.versions against the installed packages, and pyproject.toml against what the code imports."""
 
 import ast
 import json
@@ -10,7 +10,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from app import versions
+from app.engine import versions
 
 tomllib = pytest.importorskip("tomllib")
 ROOT = Path(__file__).parents[2]

@@ -20,7 +20,7 @@ HOOKS = [
     ("vllm.v1.core.sched.scheduler:Scheduler.has_unfinished_requests", "takes", ("self",)),
     ("vllm.v1.core.sched.scheduler:Scheduler.has_finished_requests", "takes", ("self",)),
     ("vllm.v1.core.sched.scheduler:Scheduler", "sets", ("finished_req_ids",)),
-    # app/scheduler.py: which running chunks sit a step out, and the caps schedule() admits by.
+    # app/engine/scheduler.py: which running chunks sit a step out, and the caps schedule() admits by.
     ("vllm.v1.core.sched.scheduler:Scheduler", "sets",
      ("running", "waiting", "policy", "max_num_running_reqs", "max_num_active_reqs")),
     ("vllm.v1.core.sched.scheduler:Scheduler.schedule", "reads",
@@ -32,13 +32,13 @@ HOOKS = [
     # vLLM falls back to its defaults, silently, for extra-config keys it no longer reads.
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler:NixlBaseConnectorScheduler.__init__", "reads",
      ("bidirectional_kv_xfer", "decoder_kv_blocks_ttl", "kv_lease_duration", "kv_recompute_threshold")),
-    # app/engine_process.py: how long a shared-memory queue's reader spins before it blocks.
+    # app/engine/process.py: how long a shared-memory queue's reader spins before it blocks.
     ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.__init__", "takes",
      ("self", "is_reader", "context", "notify_address", "busy_loop_s")),
     ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition", "sets", ("busy_loop_s",)),
     ("vllm.distributed.device_communicators.shm_broadcast:MessageQueue.ReadTimeoutWithWarnings.timeout_ms", "reads",
      ("SHM_READER_RECHECK_INTERVAL_MS",)),
-    # app/nixl_worker.py: the connector worker whose constructor moves the model's thread to another core.
+    # app/engine/nixl_worker.py: the connector worker whose constructor moves the model's thread to another core.
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker", "has", ("__init__",)),
     ("nixl._api:nixlBind", "has", ("nixlAgent", "nixlAgentConfig")),
     ("nixl._api:nixlBind.nixlAgentConfig", "has", ("pthrDelay",)),

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
-from app.chat import BadRequest
+from app.conversations.rendering import BadRequest
 from app.protocol import DecodeRequest, ReplyChunk, Role
 
 

@@ -13,8 +13,8 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
-from app.conversations import ConversationRecord
-from app.openai_api import CompletionRequest
+from app.conversations.openai_api import CompletionRequest
+from app.conversations.records import ConversationRecord
 
 SENTINEL = "\u2063KVLOOP-REPLY-END\u2063"
 

@@ -5,12 +5,12 @@ each KVEventBatch, reduce()s it to (kind, hashes) ──Pusher: KVEvents, one ca
 KVIndexServer.apply_kv_events ──apply()──▶ KVIndex
 No event socket is on the network: vLLM's BlockStored events carry the prompt's token ids and the
 tenant's cache salt, every tenant's, and the index needs only the hashes. BlockStored / BlockRemoved /
-AllBlocksCleared carry the same block hashes the router computes (app/hashing.py), so the index
+AllBlocksCleared carry the same block hashes the router computes (app/kv/hashing.py), so the index
 learns what each replica really holds, LRU evictions included.
 
 Events the index does not get are dropped, never retried: the index is soft state, and a stale one
 costs reuse, never correctness. A block it wrongly thinks gone is only not counted. A block it wrongly
-thinks held counts as the replica's local tokens (app/decision.py), which only weighs the choice: a
+thinks held counts as the replica's local tokens (app/turn/decision.py), which only weighs the choice: a
 recompute where a pull would have saved tokens, or a prefill replica picked for a prefix it lost.
 Nothing is read because the index says prefill holds it (pulls read decode's retained sequences,
 recorded by the router, not by these events), and vLLM's prefill computes whatever its cache lacks.
@@ -20,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from app.kv_index import KVIndex
+from app.kv.index import KVIndex
 from app.protocol import KVEvents
 
 logger = logging.getLogger("ray.serve")

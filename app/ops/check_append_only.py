@@ -1,6 +1,6 @@
 """Offline append-only checker: does each turn of a recorded conversation extend the previous one?
 
-    python -m app.tools.check_append_only --model PATH transcripts.jsonl
+    python -m app.ops.check_append_only --model PATH transcripts.jsonl
 
 One JSON object per line: {"id": ..., "messages": [...], "chat_template_kwargs": {...},
 "generated_token_ids": [[...], ...]} (the last two optional; generated ids are the server's
@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from app.hashing import common_prefix_len
+from app.kv.hashing import common_prefix_len
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config import AppConfig, Device, EngineGroupConfig
-from app.engine_process import plugin_env
-from app.idle_poll import IDLE_POLL_ENV
+from app.engine.idle_poll import IDLE_POLL_ENV
+from app.engine.nixl_worker import POLL_DELAY_ENV
+from app.engine.ports import free_port
+from app.engine.process import plugin_env
 from app.metrics import kv_bytes_per_token
-from app.nixl_worker import POLL_DELAY_ENV
-from app.ports import free_port
 from app.protocol import EngineEndpoint, EngineTiming, KVHandoff, LoadReport, Role, SamplingSettings, TokenLogprobs
 
 DEAD_ENGINE_POLL_S = 0.1
@@ -180,7 +180,7 @@ def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> Engi
 
 
 def engine_plugin_env(config: AppConfig) -> dict[str, str]:
-    """What app/engine_process.py reads in a CPU engine's processes (the benchmark's peers get it too)."""
+    """What app/engine/process.py reads in a CPU engine's processes (the benchmark's peers get it too)."""
     return plugin_env(config.engine_nice, config.engine_busy_poll_s, config.engine_queue_recheck_ms)
 
 
@@ -240,7 +240,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         long_prefill_token_threshold=group.long_prefill_tokens,
         scheduling_policy=scheduling_policy(config), scheduler_cls=scheduler_class(config),
         kv_transfer_config=transfer,
-        worker_extension_cls="app.nixl_worker.NixlWorkerExtension" if config.tunes_shared_cpu else "",
+        worker_extension_cls="app.engine.nixl_worker.NixlWorkerExtension" if config.tunes_shared_cpu else "",
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=identity.engine_events_endpoint)
         if publishes_kv_events(config, identity.role) else None,
@@ -258,11 +258,11 @@ def scheduling_policy(config: AppConfig) -> str:
 
 
 def scheduler_class(config: AppConfig) -> str | None:
-    """vLLM's scheduler class of every engine (the peers' too): app/scheduler.py's, or vLLM's own (None).
+    """vLLM's scheduler class of every engine (the peers' too): app/engine/scheduler.py's, or vLLM's own (None).
     On the CPU vLLM turns async scheduling off, so the synchronous scheduler is the one it would pick."""
     if not (config.later_turns_first and config.later_turns_before_chunks):
         return None
-    return "app.scheduler." + ("LaterTurnsFirstScheduler" if config.device == Device.CPU
+    return "app.engine.scheduler." + ("LaterTurnsFirstScheduler" if config.device == Device.CPU
                                else "LaterTurnsFirstAsyncScheduler")
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import xxhash
 
-from app.bounded import RecordBounds, TenantLRU
-from app.hashing import common_prefix_len
+from app.conversations.bounded import RecordBounds, TenantLRU
+from app.kv.hashing import common_prefix_len
 
 REASONING_END = "</think>"
 

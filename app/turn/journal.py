@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from app.conversations import RenderDiagnostics
-from app.horizon import EvictionHorizon
+from app.conversations.records import RenderDiagnostics
+from app.kv.horizon import EvictionHorizon
 from app.metrics import TurnMetrics
 from app.protocol import PrefillResult, RoutingDecision
 

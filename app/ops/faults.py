@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import httpx
 
-from app.launch import APP_NAME
+from app.ops.launch import APP_NAME
 from app.protocol import DecodeRequest, EngineStatus, SamplingSettings
 
 SERVE_NAMESPACE = "serve"

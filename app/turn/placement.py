@@ -11,7 +11,7 @@ the first token sooner, from both sides' live load and each engine's measured co
 
 queued: prompt tokens this router has sent the replica to compute and not yet seen answered, of
 the turns that run before this one (for a later turn only later turns': engines take them before
-first turns' prompts, app/scheduler.py); running: decode's streams, which stall while it computes
+first turns' prompts, app/engine/scheduler.py); running: decode's streams, which stall while it computes
 a prompt (the itl_weight term charges for them, after calibration: it is a cost the turn puts on
 others, not part of its own wait, and fitted with the wait it was scaled away); compute and pull:
 seconds per token, measured by each engine (LoadReport). A decode replica whose KV pool is fuller

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from app.decision import PullPolicy, decide
 from app.protocol import PrefixLookup, RoutingDecision
+from app.turn.decision import PullPolicy, decide
 
 
 class RoutingPolicy(str, enum.Enum):

@@ -14,7 +14,7 @@ owner: whoever `take`s it out of the index. Only the owner pulls it or releases 
 import time
 from collections import OrderedDict
 
-from app.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, block_hashes
+from app.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, block_hashes
 from app.protocol import PrefixLookup, ReplicaInfo, RetainedBlocks, RetainedMatch, Role
 
 SequenceKey = tuple[str, str]  # (decode replica id, engine request id)

@@ -3,8 +3,8 @@
 Every field of vLLM's own request models (its ChatCompletionRequest and CompletionRequest) is
 honoured, or refused by name when a request sets it to anything but vLLM's default (`n` > 1,
 `logprobs`, ...), never silently ignored. Tools, tool_choice and response_format are honoured, and
-the replies' tool calls and reasoning parsed by vLLM's own parsers (app/reply_parsing.py). The
-honoured fields are typed here; the router refuses the others (app/request_check.py, which reads
+the replies' tool calls and reasoning parsed by vLLM's own parsers (app/conversations/reply_parsing.py). The
+honoured fields are typed here; the router refuses the others (app/conversations/request_check.py, which reads
 the list from vLLM's models). Fields vLLM does not know are logged and ignored, as vLLM's server
 does (clients send many), except a few of OpenAI's that would change the reply
 (`FOREIGN_REFUSED`). `kv_transfer_params` in particular is never read: only the router's own
@@ -22,9 +22,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.config import Limits
-from app.conversations import RenderMode
+from app.conversations.records import RenderMode
 from app.protocol import SamplingSettings, TokenLogprobs
-from app.routing import RoutingPolicy
+from app.turn.routing import RoutingPolicy
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 NOT_IMPLEMENTED_TEXT = "tokens are returned as text (return_token_ids gives their ids)"
@@ -296,7 +296,7 @@ class GenerationRequest(BaseModel):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    """Checked by vLLM's own request model in the router (app/tool_calls.py), rendered by the template."""
+    """Checked by vLLM's own request model in the router (app/conversations/request_check.py), rendered by the template."""
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -440,7 +440,7 @@ class ResponseShape:
 
     def _choice(self, text: str, finish_reason: str | None, token_ids: list[int] | None,
                 message_key: str, parsed: dict[str, Any] | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        """`parsed`: the message or delta vLLM's parsers made of the text (app/reply_parsing.py);
+        """`parsed`: the message or delta vLLM's parsers made of the text (app/conversations/reply_parsing.py);
         `logprobs`: logprobs_body's, when the request asked for them."""
         choice: dict[str, Any] = {"index": 0}
         if self.chat:

@@ -11,9 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from app.bounded import RecordBounds
-from app.chat import PromptRenderer
-from app.conversations import (
+from app.conversations.bounded import RecordBounds
+from app.conversations.records import (
     REASONING_END,
     ConversationRecord,
     ConversationStore,
@@ -24,6 +23,7 @@ from app.conversations import (
     diagnose,
     message_chain,
 )
+from app.conversations.rendering import PromptRenderer
 
 
 @dataclass(frozen=True)

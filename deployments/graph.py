@@ -11,7 +11,7 @@ Every concurrency cap, queue bound and health-check period comes from `AppConfig
 from typing import TYPE_CHECKING, Any
 
 from app.config import AppConfig, EngineGroupConfig, Limits, load_config
-from app.tenants import with_secrets
+from app.conversations.tenants import with_secrets
 
 if TYPE_CHECKING:  # vLLM imports this package in every engine process: keep Ray out of it
     from ray.serve import Application
@@ -51,7 +51,7 @@ def _engine_options(config: AppConfig, group: EngineGroupConfig) -> dict[str, An
 
 
 def build_graph(config: AppConfig) -> "Application":
-    from app.autoscaling import decode_replica_options, prefill_replica_options, router_replica_options
+    from deployments.autoscaling import decode_replica_options, prefill_replica_options, router_replica_options
     from deployments.decode import DecodeServer
     from deployments.frontend import Frontend
     from deployments.kv_index import KVIndexServer
@@ -63,7 +63,7 @@ def build_graph(config: AppConfig) -> "Application":
     index = KVIndexServer.options(max_ongoing_requests=limits.index_max_ongoing_requests,
                                   max_queued_requests=limits.index_max_queued_requests,
                                   **_replica_options(config, num_cpus=0)).bind(config)
-    # Replica counts: fixed, or autoscaled on each group's own signal (app/autoscaling.py).
+    # Replica counts: fixed, or autoscaled on each group's own signal (deployments/autoscaling.py).
     prefill = PrefillServer.options(name="prefill", **prefill_replica_options(config),
                                     **_engine_options(config, config.prefill)).bind(config, index)
     # Decode sends its releases through prefill (an engine cannot notify itself over NIXL).

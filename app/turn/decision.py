@@ -13,7 +13,7 @@ itself, from its own prefix cache, and no KV moves.
 
 from dataclasses import dataclass, replace
 
-from app.hashing import common_prefix_len
+from app.kv.hashing import common_prefix_len
 from app.protocol import Action, PrefixLookup, Reason, RoutingDecision
 
 

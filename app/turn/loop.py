@@ -13,7 +13,7 @@ Degraded, never down: no live decode replica ──▶ the whole turn on a prefi
 prefill replica ──▶ on a decode engine; an engine that dies mid-reply ──▶ the reply continues on
 another engine from the prompt plus the tokens already sent (greedy replies stay token-exact). A
 request an engine refuses itself (vLLM's checks; the engine lives on) is the client's error: no
-engine is suspected and none is tried next (app/reply.py refusal).
+engine is suspected and none is tried next (app/turn/reply.py refusal).
 """
 
 import asyncio
@@ -26,15 +26,10 @@ from functools import partial
 from typing import Any
 
 from app.config import AppConfig
-from app.conversations import RenderDiagnostics
-from app.decision import PullPolicy, decide_prefill_on_decode
-from app.hashing import block_hashes, common_prefix_len
-from app.journal import TurnJournal
-from app.kv_index import KVIndex
-from app.ledger import Release, Settlement, TurnLedger, TurnState, settle
-from app.membership import LiveEngines
+from app.conversations.records import RenderDiagnostics
+from app.kv.hashing import block_hashes, common_prefix_len
+from app.kv.index import KVIndex
 from app.metrics import TurnMetrics
-from app.placement import Calibration, PlacementPolicy, place
 from app.protocol import (
     Action,
     DecodeRequest,
@@ -49,8 +44,13 @@ from app.protocol import (
     SamplingSettings,
     TurnRecords,
 )
-from app.reply import EngineGone, NoEngineAlive, ReplyStream, StageTimeout, migrated, refusal, timed, unless_gone
-from app.routing import CostWeights, PrefillChooser, RoutingPolicy
+from app.turn.decision import PullPolicy, decide_prefill_on_decode
+from app.turn.journal import TurnJournal
+from app.turn.ledger import Release, Settlement, TurnLedger, TurnState, settle
+from app.turn.membership import LiveEngines
+from app.turn.placement import Calibration, PlacementPolicy, place
+from app.turn.reply import EngineGone, NoEngineAlive, ReplyStream, StageTimeout, migrated, refusal, timed, unless_gone
+from app.turn.routing import CostWeights, PrefillChooser, RoutingPolicy
 
 logger = logging.getLogger("ray.serve")
 CONTINUATION_PRIORITY, LATER_TURN_PRIORITY, FIRST_TURN_PRIORITY = 0, 1, 2
@@ -95,7 +95,7 @@ class Turn:
     prefill_on_decode: bool = True
     """May a short append run whole on the decode replica that retains the conversation?"""
     load_aware: bool = True
-    """Place the prompt by both sides' load and costs (app/placement.py), not by the fixed rule."""
+    """Place the prompt by both sides' load and costs (app/turn/placement.py), not by the fixed rule."""
     received_at: float = 0.0
     """time.perf_counter() when the router received the request (0: unknown)."""
 
@@ -370,7 +370,7 @@ class TurnLoop:
                ) -> RoutingDecision:
         """The prefill decision or the decode one (`on_decode`: the replica retaining the
         conversation; with nothing retained, the best live decode replica), whichever is estimated
-        to give the first token sooner (app/placement.py)."""
+        to give the first token sooner (app/turn/placement.py)."""
         if not turn.load_aware:
             return on_decode or on_prefill
         if on_decode is None and (on_prefill.retained is not None or not turn.prefill_on_decode):
@@ -516,7 +516,7 @@ class TurnLoop:
 
     @staticmethod
     def _unless_refused(exc: BaseException, stage: str, request_id: str) -> None:
-        """Raise the client's error if the engine refused the request itself (app/reply.py refusal):
+        """Raise the client's error if the engine refused the request itself (app/turn/reply.py refusal):
         no engine is suspected and none is tried next."""
         if (refused := refusal(exc)) is not None:
             logger.warning(json.dumps({"event": "engine_refused_request", "stage": stage, "request_id": request_id,

@@ -21,9 +21,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from app.chat import BadRequest
-from app.engine import sampling_params
-from app.openai_api import ChatCompletionRequest, GenerationRequest, refused_fields
+from app.conversations.openai_api import ChatCompletionRequest, GenerationRequest, refused_fields
+from app.conversations.rendering import BadRequest
+from app.engine.adapter import sampling_params
 from app.protocol import SamplingSettings
 
 logger = logging.getLogger("ray.serve")
@@ -42,7 +42,7 @@ def vllm_request_defaults() -> dict[bool, dict[str, Any]]:
 
 
 def vllm_responses_defaults() -> dict[str, Any]:
-    """The fields of vLLM's ResponsesRequest with their defaults (app/responses.py honours some)."""
+    """The fields of vLLM's ResponsesRequest with their defaults (app/conversations/responses.py honours some)."""
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest as VLLMResponses
 
     return {name: info.get_default(call_default_factory=True) for name, info in VLLMResponses.model_fields.items()}

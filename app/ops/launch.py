@@ -3,9 +3,9 @@
 import os
 
 from app.config import TINY_MODEL, AppConfig
-from app.graph import build_graph
+from app.engine.ports import free_port
 from app.model.tiny import ensure_tiny_model
-from app.ports import free_port
+from deployments.graph import build_graph
 
 APP_NAME = "kv-loop"
 """The Serve application's name, as serve.yaml and kuberay.yaml deploy it."""

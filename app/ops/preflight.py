@@ -1,8 +1,8 @@
 """Before a deploy: will this Serve config start where it is going?
 
-    python -m app.preflight serve.yaml                 # a Serve config, as `serve deploy` takes it
-    python -m app.preflight kuberay.yaml               # a KubeRay RayService: its serveConfigV2
-    python -m app.preflight serve.yaml --address auto  # also: can the running cluster's nodes hold it
+    python -m app.ops.preflight serve.yaml                 # a Serve config, as `serve deploy` takes it
+    python -m app.ops.preflight kuberay.yaml               # a KubeRay RayService: its serveConfigV2
+    python -m app.ops.preflight serve.yaml --address auto  # also: can the running cluster's nodes hold it
 
 The graph is built as `serve deploy` builds it (Ray's schema, then `app:graph` with the args), so a
 config the app refuses fails here with the app's message. Each engine group's placement bundle is
@@ -104,7 +104,7 @@ def vllm_placement_problems(config: AppConfig, role: Role) -> list[str]:
     task in its bundle): vLLM reads the current placement group and the visible devices there."""
     from vllm.config import ParallelConfig
 
-    from app.engine import assign_identity, engine_args
+    from app.engine.adapter import assign_identity, engine_args
 
     args = engine_args(config, config.prefill if role == Role.PREFILL else config.decode,
                        assign_identity(config, role, 0, "127.0.0.1"))
@@ -264,7 +264,7 @@ def preflight(path: Path, address: str | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.preflight", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m app.ops.preflight", description=__doc__.split("\n")[0])
     parser.add_argument("config", type=Path, help="a Serve config (serve.yaml) or a KubeRay RayService manifest")
     parser.add_argument("--address", help="a running Ray cluster whose live nodes must hold the engine groups")
     args = parser.parse_args(argv)

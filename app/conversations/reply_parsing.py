@@ -13,10 +13,10 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from app.chat import BadRequest
 from app.config import TINY_MODEL, AppConfig
+from app.conversations.openai_api import ChatCompletionRequest
+from app.conversations.rendering import BadRequest
 from app.model.tiny import ensure_tiny_model
-from app.openai_api import ChatCompletionRequest
 from app.protocol import SamplingSettings
 
 REQUEST_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "stream")

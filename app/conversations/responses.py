@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.chat import BadRequest
+from app.conversations.rendering import BadRequest
 from app.protocol import StoredResponse
 
 
