@@ -37,7 +37,7 @@ from pathlib import Path
 from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
 from app.ops.client import TurnResult, chat_turn, completion_turn
-from app.turn.loop import turn_priority
+from app.turn.spec import turn_priority
 from benchmarks.multi_turn import app_decisions, key_value, warm_up
 from benchmarks.report import Row, percentile
 from benchmarks.sweep import APP_EXTRA, Conversation, LevelSummary, converse, rows_for

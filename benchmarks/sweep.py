@@ -48,7 +48,7 @@ import openai
 from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
 from app.ops.client import TurnResult, chat_turn, completion_turn
-from app.turn.loop import turn_priority
+from app.turn.spec import turn_priority
 from benchmarks.cpu_profile import CLIENT_ROLE, snapshot, spent_since
 from benchmarks.multi_turn import app_decisions, key_value, rows_of
 from benchmarks.report import Row, ideal_tokens, later_hit_share, percentile, wall_s

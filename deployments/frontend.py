@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -232,7 +231,7 @@ class Frontend:
             raise BadRequest(problem)
         parsed = self.parsing.vllm_request(body) if chat and self.parsing.applies(body) else None
         relay = Relay(self.streams, request, ROUTER_ATTEMPTS, on_move=lambda stage: self.moves.inc(1, {"stage": stage}))
-        if (release := self.admission.admit(relay, api.state.keys.tenant_of(request.authorization))) is None:
+        if not self.admission.admit(relay, api.state.keys.tenant_of(request.authorization)):
             if self.admission.full:
                 return error_response("the server is at its request limit; retry shortly", 503,
                                       retry_after_s=self.limits.retry_after_s)
@@ -242,16 +241,14 @@ class Frontend:
             start = await relay.begin()
         except BaseException:
             relay.close()
-            release()
             raise
         shape = ResponseShape(start.request_id, self.config.model_name, chat)
         if body.stream:
-            return StreamingResponse(self._stream(relay, shape, body, release, parsed), media_type="text/event-stream")
+            return StreamingResponse(self._stream(relay, shape, body, parsed), media_type="text/event-stream")
         try:
             return await self._complete(relay, shape, body, parsed)
         finally:
             relay.close()
-            release()
 
     async def _complete(self, relay: Relay, shape: ResponseShape, body: GenerationRequest, parsed_request):
         """`parsed_request`: vLLM's request model when vLLM's parsers read the reply, else None."""
@@ -270,8 +267,7 @@ class Frontend:
         ids, prompt = (relay.sent, list(start.prompt_token_ids)) if body.return_token_ids else (None, None)
         return shape.full(text, finish_reason, use, ids, prompt, message, logprobs)
 
-    async def _stream(self, relay: Relay, shape: ResponseShape, body: GenerationRequest, release: Callable[[], Any],
-                      parsed_request):
+    async def _stream(self, relay: Relay, shape: ResponseShape, body: GenerationRequest, parsed_request):
         start = relay.start
         prompt = list(start.prompt_token_ids) if body.return_token_ids else None
         parser = self.parsing.stream(parsed_request) if parsed_request is not None else None
@@ -299,7 +295,6 @@ class Frontend:
             yield sse(error_body(f"generation failed: {type(exc).__name__}", 500))
         finally:
             relay.close()
-            release()
         if body.include_usage:
             yield shape.usage_chunk(usage(len(start.prompt_token_ids), len(relay.sent), start.cached_tokens))
         yield sse("[DONE]")

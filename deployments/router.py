@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
@@ -30,8 +29,9 @@ from app.conversations.tenants import KeyRing, cache_salt, cache_scope, open_api
 from app.metrics import TurnMetrics, kv_bytes_per_token
 from app.model.tiny import ensure_tiny_model
 from app.protocol import ClientRequest, ReplyChunk, ReplyStart, Resume, Role, SamplingSettings, StoredResponse
-from app.turn.ledger import TurnLedger
-from app.turn.loop import Turn, TurnLoop
+from app.turn.loop import TurnLoop
+from app.turn.spec import Turn
+from deployments.handles import ServeEngineGroup, ServeIndex
 
 logger = logging.getLogger("ray.serve")
 
@@ -46,10 +46,6 @@ class Router:
         if config.device == Device.CPU and (nice := os.getpriority(os.PRIO_PROCESS, 0)) > 0:
             logger.warning("this replica runs at nice %d: on shared cores the serving path then waits behind the "
                            "engines' compute; start Ray with RAY_worker_niceness=0 (README)", nice)
-        # Calls and streamed chunks go straight to the replicas over gRPC (Serve's throughput-optimized
-        # transport) rather than through Ray's object store: the payloads are token ids and block
-        # metadata, and on this machine each hop to decode took 4 ms instead of 7.
-        index, prefill, decode = (h.options(_by_reference=False) for h in (index, prefill, decode))
         self.config, self.limits = config, config.limits
         self.keys = KeyRing.of(config.api_keys, config.admin_api_keys)
         self.renderer = PromptRenderer(config.model_path(), config.max_model_len)
@@ -63,7 +59,7 @@ class Router:
         self.generation_defaults = self.request_check.model.get_diff_sampling_param()
         """The model's generation config (vLLM applies it to what a request leaves unset)."""
         metrics = TurnMetrics(kv_bytes_per_token(config.model_path()))
-        self.loop = TurnLoop(config, index, prefill, decode, metrics)
+        self.loop = TurnLoop(config, ServeIndex(index), ServeEngineGroup(prefill), ServeEngineGroup(decode), metrics)
         # Take requests once the index answered (or the wait ran out: the index may be restarting).
         await self.loop.refresh_membership(config.limits.index_wait_at_start_s)
         self.loop.spawn(self.loop.follow_membership(), "membership")
@@ -83,10 +79,11 @@ class Router:
 
     async def store_response(self, stored: StoredResponse) -> bool:
         """Keep a /v1/responses conversation in the KV index (False: the index did not answer)."""
-        return bool(await self.loop.ask_index("store_response", stored))
+        return bool(await self.loop.bookkeep(self.loop.index.store_response(stored), "index.store_response"))
 
     async def load_response(self, authorization: str | None, response_id: str) -> StoredResponse | None:
-        return await self.loop.ask_index("load_response", self.keys.tenant_of(authorization), response_id)
+        tenant = self.keys.tenant_of(authorization)
+        return await self.loop.bookkeep(self.loop.index.load_response(tenant, response_id), "index.load_response")
 
     async def decisions(self, n: int) -> list[dict[str, Any]]:
         return list(self.loop.decisions)[-n:]
@@ -115,24 +112,21 @@ class Router:
             prompt_ids = rendered.prompt_ids if rendered else await self._in_render_thread(self.renderer.completion,
                                                                                           body)
         turn = self._turn(body, sampling, prompt_ids, scope, tenant, rendered, request.resume, received)
-        ledger, conversation = TurnLedger(turn.request_id), None
-        try:
-            prepared = await self.loop.prepare(turn, ledger)
-            resume = request.resume or Resume((), (), "", prepared.cached_tokens)
+        async with self.loop.turn(turn) as run:
+            await run.prepare()
+            resume = request.resume or Resume((), (), "", run.cached_tokens)
             yield ReplyStart(turn.request_id, tuple(prompt_ids), resume.cached_tokens,
                              max_tokens=turn.sampling.max_tokens + len(resume.sent_token_ids),
                              movable=not turn.sampling.reads_reply)
             generated, text = list(resume.sent_token_ids), [resume.sent_text]
-            async with aclosing(self.loop.reply(prepared)) as reply:
-                async for chunk in reply:
-                    generated.extend(chunk.token_ids)
-                    text.append(chunk.text)
-                    yield ReplyChunk(chunk.token_ids, chunk.text, chunk.finish_reason, logprobs=chunk.logprobs)
+            async for chunk in run.reply():
+                generated.extend(chunk.token_ids)
+                text.append(chunk.text)
+                yield ReplyChunk(chunk.token_ids, chunk.text, chunk.finish_reason, logprobs=chunk.logprobs)
             if rendered is not None:  # the turn is recorded with its settlement
                 reply = self.reply_parsing.replayed(body, "".join(text), generated)
-                conversation = self.sessions.finish(rendered, generated, reply, prepared.prefill.replica_id)
-        finally:
-            self.loop.close(turn, ledger, conversation, rendered.session_key if rendered else None)
+                run.record(self.sessions.finish(rendered, generated, reply, run.prefill.replica_id),
+                           rendered.session_key)
 
     def _turn(self, body: GenerationRequest, sampling: SamplingSettings, prompt_ids: list[int], scope: str,
               tenant: str, rendered: RenderedTurn | None, resume: Resume | None, received_at: float) -> Turn:
@@ -179,6 +173,6 @@ class Router:
         match = self.sessions.match(query)
         if match.exact or query.last_assistant < 0:
             return match
-        shared = await self.loop.ask_index("match_conversation", list(query.chain), query.last_assistant,
-                                           query.session_key)
+        shared = await self.loop.bookkeep(self.loop.index.match_conversation(
+            list(query.chain), query.last_assistant, query.session_key), "index.match_conversation")
         return shared if shared is not None and (shared.exact or match.record is None) else match

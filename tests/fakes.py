@@ -1,24 +1,32 @@
-"""Fake deployments for the turn loop's unit tests: Serve handles that record their calls."""
+"""Fakes for the turn loop's unit tests: in-memory implementations of the turn's seams
+(app/turn/seams.py) whose methods record their calls."""
 
 from types import SimpleNamespace
 from unittest.mock import MagicMock
 
 from app.config import AppConfig
 from app.protocol import Membership, PrefillResult, PrefixLookup, ReplyChunk
-from app.turn.ledger import TurnLedger
-from app.turn.loop import Turn, TurnLoop
+from app.turn.loop import TurnLoop
+from app.turn.spec import Turn
 
 
 class Remote:
-    """A Serve handle method: `.remote(*args)` records the args and returns what `answer(first)` gives."""
+    """A seam's method: calling it records the argument and returns what `answer(first)` gives, as an
+    awaitable Response, or as a Stream when `answer` is an async generator function. `.remote` is
+    the same call, for the deployments' own Serve handles."""
 
     def __init__(self, answer=lambda _: None) -> None:
-        self.calls, self.answer = [], answer
+        self.calls, self.answer, self.streams = [], answer, []
 
-    def remote(self, *args):
+    def __call__(self, *args):
         self.calls.append(args[0] if len(args) == 1 else args)
         result = self.answer(args[0] if args else None)
-        return result if hasattr(result, "__anext__") else Response(result)
+        if hasattr(result, "__anext__"):
+            self.streams.append(Stream(result))
+            return self.streams[-1]
+        return Response(result)
+
+    remote = __call__
 
 
 class Response:
@@ -32,6 +40,19 @@ class Response:
             raise self.value
         return self.value
         yield  # a generator: awaiting it returns at once
+
+
+class Stream:
+    """An EngineStream over an async generator; `cancelled` once the turn aborted it."""
+
+    def __init__(self, chunks) -> None:
+        self._chunks, self.cancelled = chunks, False
+
+    def __anext__(self):
+        return self._chunks.__anext__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 class DecodeGroup:
@@ -53,12 +74,9 @@ class DecodeGroup:
         self.chunks = chunks
         self.generate, self.release = Remote(stream), Remote()
 
-    def options(self, stream: bool):
-        return self
-
 
 class Index(SimpleNamespace):
-    """The KV index deployment: `lookup` answers `lookup`, `membership` the engines `members`;
+    """The KV index: `lookup` answers `lookup`, `membership` the engines `members`;
     `take` (or `record_turn`'s take_keys) succeeds for any key once."""
 
     def __init__(self, lookup: PrefixLookup | None, members: Membership) -> None:
@@ -72,7 +90,8 @@ class Index(SimpleNamespace):
 
         super().__init__(lookup=Remote(lambda _: lookup or PrefixLookup(prefill_cached_tokens={"p0": 0})),
                          take=Remote(take), record_turn=Remote(lambda r: tuple(k for k in r.take_keys if take(k))),
-                         membership=Remote(lambda _: members))
+                         membership=Remote(lambda _: members), match_conversation=Remote(),
+                         store_response=Remote(lambda _: True), load_response=Remote())
 
 
 ONE_OF_EACH = Membership(("p0",), ("d0",))
@@ -82,18 +101,16 @@ def turn_loop(result: PrefillResult, decode: DecodeGroup, lookup: PrefixLookup |
               members: Membership = ONE_OF_EACH, **config) -> TurnLoop:
     prefill = SimpleNamespace(prefill=Remote(lambda _: result), release=Remote(),
                               generate=DecodeGroup(decode.chunks).generate)  # a whole turn, when no decode lives
-    prefill.options = lambda stream: prefill
     loop = TurnLoop(AppConfig(**config), Index(lookup, members), prefill, decode, MagicMock())
     loop.engines.update(members)
     return loop
 
 
 async def run_turn(loop: TurnLoop, turn: Turn):
-    """Prepare, stream and close one turn as the router does; returns (chunks, prepared)."""
-    ledger = TurnLedger(turn.request_id)
+    """One turn as the router runs it; returns (chunks, the turn run)."""
     try:
-        prepared = await loop.prepare(turn, ledger)
-        return [chunk async for chunk in loop.reply(prepared)], prepared
+        async with loop.turn(turn) as run:
+            await run.prepare()
+            return [chunk async for chunk in run.reply()], run
     finally:
-        loop.close(turn, ledger)
         await loop.drain()

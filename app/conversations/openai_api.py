@@ -296,7 +296,8 @@ class GenerationRequest(BaseModel):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    """Checked by vLLM's own request model in the router (app/conversations/request_check.py), rendered by the template."""
+    """Checked by vLLM's own request model in the router (app/conversations/request_check.py), rendered by the
+    template."""
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -37,6 +37,8 @@ class Relay:
         self.sent: list[int] = []
         self.text: list[str] = []
         self._stream: Any = None
+        self.place: Callable[[], Any] = lambda: None
+        """The frontend's admission place this reply holds (Admission.admit), released once by close()."""
 
     async def begin(self) -> ReplyStart:
         """The reply's start; a router replica that dies before it is simply retried. The router's
@@ -70,7 +72,7 @@ class Relay:
                 if not self.start.movable or moves >= self.attempts:
                     raise NoRouterAlive("the reply's router replica died and it could not move") from exc
                 self._moved(exc, "reply")
-                self.close()
+                self._cancel()
                 if len(self.sent) >= self.start.max_tokens:  # it died after the last token, before saying so
                     yield ReplyChunk((), "", "length")
                     return
@@ -79,13 +81,18 @@ class Relay:
         return Resume(self.start.prompt_token_ids, tuple(self.sent), "".join(self.text), self.start.cached_tokens)
 
     def close(self) -> None:
-        """Cancelling an unfinished stream ends the router's turn, which aborts its engine requests."""
+        """The one end of a reply, however it ends (idempotent): cancelling an unfinished stream ends
+        the router's turn, which aborts its engine requests, and the admission place is released."""
+        self._cancel()
+        self.place()
+
+    def _cancel(self) -> None:
         if self._stream is not None:
             self._stream.cancel()
             self._stream = None
 
     async def _open(self, request: ClientRequest) -> ReplyStart:
-        self.close()
+        self._cancel()
         self._stream = self.router.generate.remote(request)
         return await self._next()
 
@@ -113,15 +120,16 @@ class Admission:
     def full(self) -> bool:
         return self.held >= self.capacity
 
-    def admit(self, relay: Relay, tenant: str) -> Callable[[], None] | None:
-        """A one-shot release for `relay`'s place, or None when every place, or the tenant's share,
-        is held. The place is also released when the relay is dropped unread: a client gone before
-        its stream started never runs the stream's own cleanup."""
+    def admit(self, relay: Relay, tenant: str) -> bool:
+        """Give `relay` a place (released once, by its close()), or False when every place, or the
+        tenant's share, is held. The place is also released when the relay is dropped unread: a
+        client gone before its stream started never runs the stream's own cleanup."""
         if self.full or self.held_by[tenant] >= self.tenant_capacity:
-            return None
+            return False
         self.held += 1
         self.held_by[tenant] += 1
-        return weakref.finalize(relay, self._release, tenant)
+        relay.place = weakref.finalize(relay, self._release, tenant)
+        return True
 
     def _release(self, tenant: str) -> None:
         self.held -= 1

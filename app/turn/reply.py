@@ -9,10 +9,10 @@ import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
 
 from app.conversations.rendering import BadRequest
 from app.protocol import DecodeRequest, ReplyChunk, Role
+from app.turn.seams import EngineGroup
 
 
 class NoEngineAlive(RuntimeError):
@@ -73,13 +73,13 @@ class ReplyStream:
     """One engine call's streamed chunks, counted as load on its replica until closed. Until its
     first chunk arrives the call is abandoned if its replica is `gone`."""
 
-    def __init__(self, group: Any, streams: Counter[str], role: Role, request: DecodeRequest,
+    def __init__(self, group: EngineGroup, streams: Counter[str], role: Role, request: DecodeRequest,
                  gone: Callable[[], bool]) -> None:
-        """`group`: the role's deployment handle; `streams`: open streams per replica (the router's view)."""
+        """`streams`: open streams per replica (the router's view)."""
         self.role, self.request, self.replica_id = role, request, request.target_replica_id
         self._streams, self._gone = streams, gone
         self._streams[self.replica_id] += 1
-        self._chunks = group.options(stream=True).generate.remote(request)
+        self._chunks = group.generate(request)
         self._open, self.started, self.finished = True, False, False
 
     async def next(self, timeout_s: float, stage: str) -> ReplyChunk:
@@ -97,8 +97,8 @@ class ReplyStream:
         if self._open:
             self._open = False
             self._streams[self.replica_id] -= 1
-            if not self.finished and (cancel := getattr(self._chunks, "cancel", None)):
-                cancel()
+            if not self.finished:
+                self._chunks.cancel()
 
 
 async def timed(awaitable: Awaitable, timeout_s: float, stage: str):

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from app.config import load_config
 from app.model.tiny import ensure_tiny_model
 from app.ops.client import completion_turn
-from app.turn.loop import turn_priority
+from app.turn.spec import turn_priority
 from benchmarks.peers import plain_vllm
 from benchmarks.workload import openai_client
 

@@ -11,9 +11,9 @@ import pytest
 
 from app.config import AppConfig
 from app.protocol import Action, LoadReport, Membership, PrefillResult, Reason, ReplyChunk, Role, SamplingSettings
-from app.turn.loop import Turn
 from app.turn.membership import LiveEngines
 from app.turn.reply import NoEngineAlive
+from app.turn.spec import Turn
 from deployments.decode import DecodeServer
 from tests.factories import BLOCK, handoff, retained
 from tests.fakes import ONE_OF_EACH, DecodeGroup, Remote, run_turn, turn_loop
@@ -147,7 +147,7 @@ def test_a_stage_that_does_not_answer_in_time_is_a_timeout_not_a_hang():
     from app.turn.reply import StageTimeout
 
     class Hangs:
-        def remote(self, _):
+        def __call__(self, _):
             return asyncio.sleep(3600)
 
     loop = turn_loop(PREFILLED, DecodeGroup(REPLY), limits=Limits(prefill_timeout_s=0.05))
@@ -215,7 +215,7 @@ def test_a_new_router_takes_requests_once_the_index_answered_or_its_wait_ran_out
     loop.index.membership = Remote(lambda _: ONE_OF_EACH)
     asyncio.run(loop.refresh_membership(1.0))
     assert loop.engines.live(Role.DECODE) == ["d0"]
-    loop.index.membership = SimpleNamespace(remote=lambda: asyncio.sleep(10))
+    loop.index.membership = lambda: asyncio.sleep(10)
     started = time.perf_counter()
     asyncio.run(loop.refresh_membership(0.05))
     assert time.perf_counter() - started < 1, "an index that does not answer delays the start, never blocks it"

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from app.protocol import PrefillRequest, PrefillResult, ReplyChunk, Role, SamplingSettings
-from app.turn.loop import CONTINUATION_PRIORITY, Turn, TurnLoop
+from app.turn.loop import TurnLoop
+from app.turn.spec import CONTINUATION_PRIORITY, Turn
 from deployments.prefill import engine_settings, first_chunk
 from tests.factories import BLOCK, handoff
 from tests.fakes import DecodeGroup, run_turn, turn_loop

@@ -16,8 +16,8 @@ from app.protocol import (
     Role,
     SamplingSettings,
 )
-from app.turn.loop import Turn
 from app.turn.placement import Calibration, PlacementPolicy, decode_allowed, estimate
+from app.turn.spec import Turn
 from tests.factories import handoff, retained
 from tests.fakes import DecodeGroup, Remote, run_turn, turn_loop
 
@@ -168,8 +168,8 @@ def test_first_turns_calibrate_first_turns_only_so_a_burst_of_them_leaves_the_ap
     loop = turn_loop(PREFILLED, DecodeGroup(REPLY), lookup, members=_members(IDLE, IDLE))
     loop.journal.queued_tokens["p0"] = 8192
     _run(loop)
-    assert loop.calibrations[False].fits["decode"].w > 0
-    assert all(fit.w == 0 for fit in loop.calibrations[True].fits.values())
+    assert loop.planner.calibrations[False].fits["decode"].w > 0
+    assert all(fit.w == 0 for fit in loop.planner.calibrations[True].fits.values())
 
 
 def test_a_first_turn_stays_on_prefill_when_decode_is_busy_or_costs_are_unknown():

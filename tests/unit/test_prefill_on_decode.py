@@ -17,7 +17,7 @@ from app.protocol import (
     SamplingSettings,
 )
 from app.turn.decision import PullPolicy, decide_prefill_on_decode
-from app.turn.loop import Turn
+from app.turn.spec import Turn
 from tests.factories import BLOCK, handoff, retained
 from tests.fakes import DecodeGroup, run_turn, turn_loop
 

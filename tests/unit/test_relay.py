@@ -89,10 +89,10 @@ def test_admission_holds_a_place_per_reply_until_it_ends_or_its_relay_is_dropped
 
     admission = Admission(capacity=2, tenant_capacity=2)
     first, second = (Relay(None, None, 3) for _ in range(2))
-    release_first, _ = admission.admit(first, "t"), admission.admit(second, "u")
-    assert admission.admit(Relay(None, None, 3), "v") is None and admission.full  # full: refused
-    release_first()
-    release_first()  # a reply's end may be reported twice (stream and caller): counted once
+    assert admission.admit(first, "t") and admission.admit(second, "u")
+    assert not admission.admit(Relay(None, None, 3), "v") and admission.full  # full: refused
+    first.close()
+    first.close()  # a reply's end may be reported twice (stream and caller): counted once
     assert admission.held == 1
     del second  # never streamed: the client left before its stream started
     gc.collect()
@@ -104,9 +104,8 @@ def test_one_tenant_holds_at_most_its_share_of_the_places():
 
     admission = Admission(capacity=4, tenant_capacity=2)
     relays = [Relay(None, None, 3) for _ in range(4)]
-    release = admission.admit(relays[0], "greedy")
-    assert admission.admit(relays[1], "greedy") is not None
-    assert admission.admit(relays[2], "greedy") is None and not admission.full  # its share: 429, not 503
-    assert admission.admit(relays[3], "polite") is not None  # another tenant still gets in
-    release()
-    assert admission.admit(relays[2], "greedy") is not None
+    assert admission.admit(relays[0], "greedy") and admission.admit(relays[1], "greedy")
+    assert not admission.admit(relays[2], "greedy") and not admission.full  # its share: 429, not 503
+    assert admission.admit(relays[3], "polite")  # another tenant still gets in
+    relays[0].close()
+    assert admission.admit(relays[2], "greedy")

@@ -7,8 +7,8 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import RequestStatus
 
 from app.engine.scheduler import LaterTurnsBeforeChunks
-from app.turn.loop import CONTINUATION_PRIORITY as CONTINUATION
-from app.turn.loop import turn_priority
+from app.turn.spec import CONTINUATION_PRIORITY as CONTINUATION
+from app.turn.spec import turn_priority
 
 FIRST, LATER = turn_priority(later=False), turn_priority(later=True)
 

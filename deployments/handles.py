@@ -1,0 +1,63 @@
+"""Ray Serve handles, adapted to the seams a turn is written against (app/turn/seams.py).
+
+Calls and streamed chunks go straight to the replicas over gRPC (Serve's throughput-optimized transport)
+rather than through Ray's object store: the payloads are token ids and block metadata, and each hop costs
+less that way. Each method returns Serve's own response object, which is awaitable (or, for `generate`,
+an async iterator with `cancel`), so a call costs no coroutine of its own.
+"""
+
+from ray.serve.handle import DeploymentHandle
+
+from app.kv.index import SequenceKey
+from app.protocol import DecodeRequest, KVHandoff, PrefillRequest, StoredResponse, TurnRecords
+
+
+def _direct(handle: DeploymentHandle) -> DeploymentHandle:
+    return handle.options(_by_reference=False)
+
+
+class ServeIndex:
+    """The KV index deployment (deployments/kv_index.py) as a KVIndexClient."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = _direct(handle)
+
+    def membership(self):
+        return self._handle.membership.remote()
+
+    def lookup(self, hashes: list[bytes]):
+        return self._handle.lookup.remote(hashes)
+
+    def take(self, key: SequenceKey):
+        return self._handle.take.remote(key)
+
+    def record_turn(self, records: TurnRecords):
+        return self._handle.record_turn.remote(records)
+
+    def match_conversation(self, chain: list[str], last_assistant: int, session_key: str | None):
+        return self._handle.match_conversation.remote(chain, last_assistant, session_key)
+
+    def store_response(self, stored: StoredResponse):
+        return self._handle.store_response.remote(stored)
+
+    def load_response(self, tenant: str, response_id: str):
+        return self._handle.load_response.remote(tenant, response_id)
+
+
+class ServeEngineGroup:
+    """A prefill or decode deployment as a PrefillGroup / EngineGroup: every call names its replica in
+    the request, and deployments/targeted_router.py sends it there."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = _direct(handle)
+        self._streaming = self._handle.options(stream=True)
+
+    def generate(self, request: DecodeRequest):
+        return self._streaming.generate.remote(request)
+
+    def release(self, handoff: KVHandoff):
+        return self._handle.release.remote(handoff)
+
+    def prefill(self, request: PrefillRequest):
+        return self._handle.prefill.remote(request)
+

@@ -1,0 +1,76 @@
+"""A turn is one object: however its `async with` ends, it settles what it holds, once; the seams it is
+written against are the ones the Serve adapters and the fakes implement."""
+
+import asyncio
+import subprocess
+import sys
+from unittest.mock import MagicMock
+
+import pytest
+
+from app.protocol import Membership, SamplingSettings
+from app.turn.ledger import TurnState
+from app.turn.seams import EngineGroup, KVIndexClient, PrefillGroup
+from app.turn.spec import Turn
+from app.turn.turn import TurnRun
+from tests.fakes import DecodeGroup, Index, turn_loop
+from tests.unit.test_engine_faults import PREFILLED, PROMPT, REPLY
+
+
+def _turn() -> Turn:
+    return Turn("t", PROMPT, "salt", SamplingSettings(max_tokens=5, temperature=0.0))
+
+
+def test_a_client_gone_mid_reply_aborts_the_engine_request_and_keeps_nothing():
+    decode = DecodeGroup(REPLY)
+    loop = turn_loop(PREFILLED, decode)
+
+    async def scenario():
+        async with loop.turn(_turn()) as run:
+            await run.prepare()
+            async for chunk in run.reply():
+                if chunk.token_ids == REPLY[0].token_ids:
+                    break  # the client went away after decode's first token
+        await loop.drain()
+        return run
+
+    run = asyncio.run(scenario())
+    [stream] = decode.generate.streams
+    assert stream.cancelled, "the engine request is aborted, which frees its blocks"
+    assert run.ledger.state == TurnState.ABORTED
+    assert all(records.retained is None for records in loop.index.record_turn.calls)
+
+
+def test_a_turn_that_fails_inside_its_block_still_settles_its_handoff():
+    """The turn raised after prefill, before decode read the handoff: prefill's blocks are released."""
+    decode = DecodeGroup(REPLY)
+    loop = turn_loop(PREFILLED, decode)
+
+    async def scenario():
+        with pytest.raises(RuntimeError, match="the router failed"):
+            async with loop.turn(_turn()) as run:
+                await run.prepare()
+                raise RuntimeError("the router failed")
+        await loop.drain()
+
+    asyncio.run(scenario())
+    released = [call for group in loop.groups.values() for call in group.release.calls]
+    assert released == [PREFILLED.handoff]
+
+
+def test_fakes_and_serve_adapters_implement_the_turn_s_seams():
+    from deployments.handles import ServeEngineGroup, ServeIndex
+
+    loop = turn_loop(PREFILLED, DecodeGroup(REPLY))
+    assert isinstance(Index(None, Membership()), KVIndexClient) and isinstance(ServeIndex(MagicMock()), KVIndexClient)
+    assert isinstance(loop.groups[next(iter(loop.groups))], PrefillGroup)
+    assert isinstance(ServeEngineGroup(MagicMock()), PrefillGroup) and isinstance(DecodeGroup(REPLY), EngineGroup)
+    assert isinstance(loop.turn(_turn()), TurnRun)
+
+
+def test_the_engine_plugins_import_without_ray_serve_or_the_app_s_config():
+    """vLLM imports them in every engine process: they must not drag in the graph."""
+    code = ("import sys, app.engine.idle_poll, app.engine.process, app.engine.nixl_worker, app.engine.scheduler\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'deployments') or m == 'app.config'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
