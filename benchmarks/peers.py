@@ -13,9 +13,9 @@ from contextlib import contextmanager
 import httpx
 
 from app.config import AppConfig, EngineGroupConfig
-from app.engine.adapter import engine_plugin_env, scheduler_class, scheduling_policy
 from app.engine.nixl_worker import POLL_DELAY_ENV
 from app.engine.ports import free_port
+from app.engine.settings import engine_plugin_env, scheduler_class, scheduling_policy
 from app.ops.launch import worker_niceness
 
 SERVE_LLM_APP = "serve-llm-pd"

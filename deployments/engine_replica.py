@@ -17,16 +17,9 @@ import ray
 from ray import serve
 
 from app.config import TINY_MODEL, AppConfig
-from app.engine.adapter import (
-    Engine,
-    engine_timing,
-    from_vllm_params,
-    hold_params,
-    publishes_kv_events,
-    to_vllm_params,
-    token_logprobs,
-)
+from app.engine.adapter import Engine, engine_timing, from_vllm_params, hold_params, to_vllm_params, token_logprobs
 from app.engine.nixl_backends import resolve_backends
+from app.engine.settings import publishes_kv_events
 from app.engine.versions import check_supported
 from app.kv import events as kv_events
 from app.model.tiny import ensure_tiny_model

@@ -27,17 +27,8 @@ from ray.serve.context import _get_global_client
 from ray.serve.exceptions import BackPressureError
 
 from app.config import AppConfig
-from app.conversations.openai_api import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerationRequest,
-    ResponseShape,
-    error_body,
-    logprobs_body,
-    refused_fields,
-    sse,
-    usage,
-)
+from app.conversations.openai_api import ChatCompletionRequest, CompletionRequest, GenerationRequest, refused_fields
+from app.conversations.openai_replies import ResponseShape, error_body, logprobs_body, sse, usage
 from app.conversations.rendering import BadRequest
 from app.conversations.reply_parsing import ReplyParsing
 from app.conversations.request_check import vllm_responses_defaults

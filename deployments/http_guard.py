@@ -15,7 +15,7 @@ import logging
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from app.conversations.openai_api import error_body
+from app.conversations.openai_replies import error_body
 from app.conversations.tenants import Forbidden, Unauthorized
 
 logger = logging.getLogger("ray.serve")

@@ -1,269 +1,28 @@
-"""The engine adapter: the only code that turns AppConfig into vLLM/NIXL settings and KVHandoff
-into vLLM's kv_transfer_params (and back). Prefill and decode replicas each hold one Engine.
+"""The engine adapter: one vLLM AsyncLLM per prefill or decode replica, and the only code that turns a
+KVHandoff into vLLM's kv_transfer_params (and back). Its settings come from app/engine/settings.py, its load
+reports from app/engine/load.py.
 
-    AppConfig ──engine_env/engine_args──▶ AsyncLLM(NixlConnector, bidirectional)
-    KVHandoff ──to_pull_params──▶ kv_transfer_params ──from_vllm_params──▶ KVHandoff
+    AppConfig ──settings.engine_env/engine_args──▶ AsyncLLM(NixlConnector, bidirectional)
+    KVHandoff ──to_vllm_params──▶ kv_transfer_params ──from_vllm_params──▶ KVHandoff
 """
 
 import asyncio
 import os
-import tempfile
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, replace
 from typing import Any
 
-from app.config import AppConfig, Device, EngineGroupConfig
-from app.engine.idle_poll import IDLE_POLL_ENV
-from app.engine.nixl_worker import POLL_DELAY_ENV
-from app.engine.ports import free_port
-from app.engine.process import plugin_env
+from app.config import AppConfig
+from app.engine.load import LoadTracker, load_logger_factory
+from app.engine.settings import assign_identity, engine_args, engine_env
 from app.metrics import kv_bytes_per_token
 from app.protocol import EngineEndpoint, EngineTiming, KVHandoff, LoadReport, Role, SamplingSettings, TokenLogprobs
 
 DEAD_ENGINE_POLL_S = 0.1
 """How often a request waiting on the engine checks that the engine process lives."""
 
-
-MIN_MEASURED_TOKENS = 32
-"""A prefill measures the engine's compute cost only when it computed at least this many tokens."""
-COST_SMOOTHING = 0.2
-
-
-class LoadTracker:
-    """Keeps the engine's LoadReport current: vLLM's scheduler stats every step, its finished
-    prefills and its NIXL transfers for the measured costs."""
-
-    def __init__(self, kv_bytes_per_token: int, probe_window: int = 1, ranks: int = 1,
-                 nixl_backends: tuple[str, ...] = ()) -> None:
-        self.report = LoadReport(nixl_backends=nixl_backends)
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.ranks = ranks
-        """The engine's workers (tensor x pipeline parallel): vLLM reports each one's transfers."""
-        self.probes: deque[float] = deque(maxlen=probe_window)
-        """The last probes' costs (s a token); the least of them stands."""
-        self.measured_at = 0.0
-        """When the compute cost was last measured (time.monotonic())."""
-        self.stepped_at = 0.0
-        """When the last step's stats came (time.monotonic())."""
-
-    def observe_step(self, running: int, waiting: int, kv_cache_usage: float, now: float | None = None) -> None:
-        """Each step's stats; the time since the step before is a step's wall time if requests ran
-        through it (else the engine was idle in between)."""
-        now = time.monotonic() if now is None else now
-        step_s = self.report.step_s
-        if self.report.num_running_reqs and self.stepped_at:
-            step_s = _smoothed(step_s, now - self.stepped_at)
-        self.stepped_at = now
-        self.report = replace(self.report, num_running_reqs=running, num_waiting_reqs=waiting,
-                              kv_cache_usage=kv_cache_usage, step_s=step_s)
-
-    def observe_prefill(self, seconds: float, computed_tokens: int, others_in_engine: int) -> None:
-        """A finished prefill's time (vLLM's `prefill_time`) per token it computed, taken only when it
-        ran alone: beside other requests a prefill's time includes theirs, and that cost times the
-        queued tokens counted the queue twice (measured at 64 conversations: 600 us against 60-100
-        alone, and every first turn's estimate three times its measured time)."""
-        if computed_tokens >= MIN_MEASURED_TOKENS and seconds > 0 and others_in_engine == 0:
-            cost = _smoothed(self.report.compute_s_per_token, seconds / computed_tokens)
-            self.report = replace(self.report, compute_s_per_token=cost)
-            self.measured_at = time.monotonic()
-
-    def observe_probe(self, seconds_per_token: float) -> None:
-        """A timed prefill the engine ran alone; the least of the recent probes is its cost. An
-        idle engine's probe is slowed only by other processes (in a sweep, other systems under
-        load: 115-740 us a token, against 64-146 on an idle machine), which its turns may never
-        meet; the app's own load reaches the estimate through the turns' calibration instead."""
-        self.probes.append(seconds_per_token)
-        self.report = replace(self.report, compute_s_per_token=min(self.probes))
-        self.measured_at = time.monotonic()
-
-    def observe_transfers(self, stats: dict[str, Any]) -> None:
-        """NIXL's transfer telemetry of this engine's reads (durations in s, sizes in bytes), one record
-        per transfer per rank: the ranks' bytes add up to the tokens moved, and the ranks pull at once,
-        so the time is the slowest rank's (their sum would make a pull at TP 8 look 8 times dearer)."""
-        moved = sum(stats.get("bytes_transferred") or ())
-        if moved and self.kv_bytes_per_token:
-            seconds = slowest_rank_seconds(stats.get("transfer_duration") or [], self.ranks)
-            cost = _smoothed(self.report.pull_s_per_token, seconds / (moved / self.kv_bytes_per_token))
-            self.report = replace(self.report, pull_s_per_token=cost)
-
-
-def slowest_rank_seconds(durations: list[float], ranks: int) -> float:
-    """The time of the slowest rank's transfers. vLLM lists the ranks' records one rank after another
-    (KVOutputAggregator extends rank 0's NixlKVConnectorStats with each other rank's), so `durations`
-    splits into `ranks` contiguous equal parts when its length divides. Otherwise the ranks finished
-    different numbers of transfers in the step and their records cannot be told apart: the total over
-    all ranks then stands, which never understates the slowest rank's time (a dear pull makes placement
-    recompute: slower, never wrong)."""
-    per_rank, uneven = divmod(len(durations), ranks)
-    if uneven:
-        return sum(durations)
-    return max(sum(durations[r * per_rank:(r + 1) * per_rank]) for r in range(ranks))
-
-
-def _smoothed(previous: float, sample: float) -> float:
-    return sample if previous == 0 else previous + COST_SMOOTHING * (sample - previous)
-
-
-def load_logger_factory(load: LoadTracker):
-    """A vLLM stat-logger factory that feeds each step's stats to `load`."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class LoadLogger(StatLoggerBase):
-        def __init__(self, vllm_config, engine_index: int = 0) -> None:
-            pass
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-            if scheduler_stats is None:
-                return
-            finished = iteration_stats.finished_requests if iteration_stats else ()
-            if len(finished) == 1:
-                others = scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs
-                load.observe_prefill(finished[0].prefill_time,
-                                     finished[0].num_prompt_tokens - finished[0].num_cached_tokens, others)
-            load.observe_step(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
-                              scheduler_stats.kv_cache_usage)
-            if scheduler_stats.kv_connector_stats:
-                load.observe_transfers(scheduler_stats.kv_connector_stats)
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return LoadLogger
-
-
-@dataclass(frozen=True)
-class EngineIdentity:
-    role: Role
-    engine_id: str
-    host: str
-    port: int
-    cpu_cores: tuple[int, ...]
-    """One core per rank, on CPU where cores are bound; empty otherwise."""
-
-    @property
-    def engine_events_endpoint(self) -> str:
-        """Where vLLM publishes its KV cache events: an ipc socket, on the node only (they carry every
-        tenant's prompt token ids). Its replica reads them there and pushes the KV index their block
-        hashes only (app/kv_events.forward); no event socket is on the network, and the node's other
-        users cannot enter its folder."""
-        return f"ipc://{private_socket_dir()}/events-{self.engine_id}"
-
-
-def private_socket_dir() -> str:
-    """This user's folder for the engines' ipc sockets, mode 0700. One that exists with another
-    owner or wider access (made by someone else to read the sockets) is refused."""
-    path = os.path.join(tempfile.gettempdir(), f"kv-loop-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    found = os.stat(path)
-    if found.st_uid != os.getuid() or found.st_mode & 0o077:
-        raise PermissionError(f"{path} must belong to uid {os.getuid()} with mode 0700 (it holds the KV event "
-                              f"sockets, which carry prompt token ids); found uid {found.st_uid}, "
-                              f"mode {oct(found.st_mode & 0o777)}")
-    return path
-
-
-def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> EngineIdentity:
-    """A unique engine id and side-channel port per replica; a core of its own per engine rank where
-    there is one. Prefill takes cores from the first up, decode from the last down: replicas that
-    autoscaling adds to either group meet the other group's only when every core has a rank."""
-    cores, ranks = os.cpu_count() or 1, config.engine_world_size
-    first = rank * ranks
-    indices = [first + i if role == Role.PREFILL else cores - 1 - first - i for i in range(ranks)]
-    bound = config.device == Device.CPU and config.bind_engine_cores
-    return EngineIdentity(role=role, engine_id=f"{role.value}-{rank}-{uuid.uuid4().hex[:8]}",
-                          host=host, port=free_port(host),
-                          cpu_cores=tuple(i % cores for i in indices) if bound else ())
-
-
-def engine_plugin_env(config: AppConfig) -> dict[str, str]:
-    """What app/engine/process.py reads in a CPU engine's processes (the benchmark's peers get it too)."""
-    return plugin_env(config.engine_nice, config.engine_busy_poll_s, config.engine_queue_recheck_ms)
-
-
-def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIdentity) -> dict[str, str]:
-    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": identity.host,
-           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(identity.port),
-           # vLLM derives its root block hash from this; the router hashes with the same seed.
-           "PYTHONHASHSEED": str(config.prefix_hash_seed),
-           # Full block hashes in KV events, so they equal the router's (not their low 64 bits).
-           "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}
-    if config.device == Device.CPU:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(group.kv_cache_gib)
-    if config.tunes_shared_cpu:
-        env.update({POLL_DELAY_ENV: str(config.nixl_poll_delay_us), IDLE_POLL_ENV: str(config.engine_idle_poll_s),
-                    **engine_plugin_env(config)})
-    if identity.cpu_cores:
-        # vLLM's CPU workers take one "|"-separated core list per rank.
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, identity.cpu_cores))
-    return env
-
-
-def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIdentity):
-    from vllm.config import KVEventsConfig, KVTransferConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    transfer = KVTransferConfig(
-        kv_connector="NixlConnector", kv_role="kv_both", engine_id=identity.engine_id,
-        kv_buffer_device=config.device.value, kv_load_failure_policy="fail",
-        kv_connector_extra_config={
-            "bidirectional_kv_xfer": True,
-            "backends": list(config.nixl_backends),
-            # The router decides pull vs recompute; the engine must not second-guess it.
-            "kv_recompute_threshold": 0,
-            "decoder_kv_blocks_ttl": config.retention_ttl_s,
-            # How long an engine holds blocks it computed for a reader: on prefill the handoff to
-            # decode; on decode the turns it prefilled itself, which the next turn's prefill may pull.
-            # Decode heartbeats prefill's leases every (its lease / 6) s, well inside prefill's
-            # extension of 2/3 of its lease (AppConfig checks the margin).
-            "kv_lease_duration": int(config.retention_ttl_s) if identity.role == Role.DECODE
-            else int(config.handoff_lease_s),
-        })
-    path = str(config.model_path())
-    return AsyncEngineArgs(
-        **config.engine_kwargs,
-        model=path, tokenizer=path, served_model_name=[config.model_name], dtype=config.engine_dtype,
-        reasoning_parser=config.reasoning_parser,  # a grammar starts where the reasoning ends
-        max_logprobs=config.limits.max_logprobs,
-        block_size=config.block_size, max_model_len=config.max_model_len,
-        enforce_eager=config.enforce_eager, enable_prefix_caching=group.prefix_caching,
-        prefix_caching_hash_algo=config.prefix_hash_algo,
-        tensor_parallel_size=config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size,
-        distributed_executor_backend=config.executor_backend,
-        gpu_memory_utilization=group.gpu_memory_utilization,
-        num_gpu_blocks_override=group.num_gpu_blocks_override or None,
-        stream_interval=config.stream_interval_tokens, max_num_seqs=config.engine_max_num_seqs,
-        max_num_batched_tokens=group.max_batched_tokens,
-        long_prefill_token_threshold=group.long_prefill_tokens,
-        scheduling_policy=scheduling_policy(config), scheduler_cls=scheduler_class(config),
-        kv_transfer_config=transfer,
-        worker_extension_cls="app.engine.nixl_worker.NixlWorkerExtension" if config.tunes_shared_cpu else "",
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                        endpoint=identity.engine_events_endpoint)
-        if publishes_kv_events(config, identity.role) else None,
-        disable_log_stats=False)
-
-
-def publishes_kv_events(config: AppConfig, role: Role) -> bool:
-    """Whether an engine of `role` publishes KV cache events (AppConfig.kv_events: prefill only)."""
-    return config.kv_events and role == Role.PREFILL
-
-
-def scheduling_policy(config: AppConfig) -> str:
-    """vLLM's scheduling policy of every engine (the benchmark's peers' too)."""
-    return "priority" if config.later_turns_first else "fcfs"
-
-
-def scheduler_class(config: AppConfig) -> str | None:
-    """vLLM's scheduler class of every engine (the peers' too): app/engine/scheduler.py's, or vLLM's own (None).
-    On the CPU vLLM turns async scheduling off, so the synchronous scheduler is the one it would pick."""
-    if not (config.later_turns_first and config.later_turns_before_chunks):
-        return None
-    return "app.engine.scheduler." + ("LaterTurnsFirstScheduler" if config.device == Device.CPU
-                               else "LaterTurnsFirstAsyncScheduler")
 
 
 def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, Any]):

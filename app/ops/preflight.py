@@ -104,7 +104,7 @@ def vllm_placement_problems(config: AppConfig, role: Role) -> list[str]:
     task in its bundle): vLLM reads the current placement group and the visible devices there."""
     from vllm.config import ParallelConfig
 
-    from app.engine.adapter import assign_identity, engine_args
+    from app.engine.settings import assign_identity, engine_args
 
     args = engine_args(config, config.prefill if role == Role.PREFILL else config.decode,
                        assign_identity(config, role, 0, "127.0.0.1"))

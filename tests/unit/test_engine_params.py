@@ -33,7 +33,7 @@ def test_prefill_params_make_decode_read():
 
 def test_kv_events_stay_on_the_node_and_the_nixl_side_channel_binds_the_node_s_address_only():
     from app.config import AppConfig
-    from app.engine.adapter import assign_identity, engine_args, engine_env
+    from app.engine.settings import assign_identity, engine_args, engine_env
 
     config = AppConfig()
     identity = assign_identity(config, Role.PREFILL, 0, "127.0.0.1")
@@ -51,7 +51,7 @@ def test_kv_events_stay_on_the_node_and_the_nixl_side_channel_binds_the_node_s_a
 
 def test_the_engine_scheduler_limits_come_from_the_config_and_the_peers_get_the_same():
     from app.config import AppConfig, EngineGroupConfig
-    from app.engine.adapter import assign_identity, engine_args
+    from app.engine.settings import assign_identity, engine_args
     from benchmarks.peers import plain_vllm_command, serve_llm_pd_args
 
     config = AppConfig(engine_max_num_seqs=96, later_turns_first=False,
@@ -76,7 +76,7 @@ def test_the_engine_scheduler_limits_come_from_the_config_and_the_peers_get_the_
 
 def test_every_engine_and_peer_schedules_later_turns_before_running_chunks():
     from app.config import AppConfig
-    from app.engine.adapter import assign_identity, engine_args
+    from app.engine.settings import assign_identity, engine_args
     from benchmarks.peers import plain_vllm_command, serve_llm_pd_args
 
     config = AppConfig()
@@ -164,7 +164,7 @@ def test_the_event_sockets_folder_is_the_user_s_alone(tmp_path, monkeypatch):
 
     import pytest
 
-    from app.engine.adapter import private_socket_dir
+    from app.engine.settings import private_socket_dir
 
     monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
     folder = private_socket_dir()

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from app.config import APP_ENGINE_ARGS, AppConfig, Device, Limits, load_config
-from app.engine.adapter import assign_identity, engine_args, engine_env
+from app.engine.settings import assign_identity, engine_args, engine_env
 from app.protocol import Role
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -116,7 +116,7 @@ def test_health_lists_the_backends_each_group_s_live_engines_loaded():
 
 
 def test_the_engine_s_load_carries_its_backends_in_every_heartbeat():
-    from app.engine.adapter import LoadTracker
+    from app.engine.load import LoadTracker
 
     tracker = LoadTracker(1024, nixl_backends=("UCX",))
     tracker.observe_step(2, 0, 0.1)

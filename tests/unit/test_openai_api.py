@@ -2,7 +2,8 @@ import pytest
 from pydantic import ValidationError
 from vllm import SamplingParams
 
-from app.conversations.openai_api import ChatCompletionRequest, CompletionRequest, logprobs_body
+from app.conversations.openai_api import ChatCompletionRequest, CompletionRequest
+from app.conversations.openai_replies import logprobs_body
 
 
 def test_unknown_role_and_empty_messages_are_rejected():

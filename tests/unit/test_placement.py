@@ -70,7 +70,7 @@ def test_an_engine_with_requests_running_costs_the_step_in_flight_and_a_whole_st
 
 
 def test_a_step_is_timed_only_when_requests_ran_through_it():
-    from app.engine.adapter import LoadTracker
+    from app.engine.load import LoadTracker
 
     tracker = LoadTracker(kv_bytes_per_token=1024)
     for running, now in ((0, 1.0), (2, 9.0), (2, 9.1), (0, 9.3), (1, 20.0)):
@@ -217,7 +217,7 @@ def test_a_pull_queues_on_prefill_only_the_tokens_it_computes():
 
 
 def test_engines_measure_their_costs_from_vllm_s_own_stats():
-    from app.engine.adapter import LoadTracker
+    from app.engine.load import LoadTracker
 
     tracker = LoadTracker(kv_bytes_per_token=1024)
     tracker.observe_prefill(0.5, 8, 0)  # too short to measure
@@ -235,7 +235,8 @@ def test_engines_measure_their_costs_from_vllm_s_own_stats():
 def test_an_idle_engine_re_times_a_stale_compute_cost_a_request_during_the_probe_voids_it_and_the_least_stands():
     import time
 
-    from app.engine.adapter import Engine, LoadTracker
+    from app.engine.adapter import Engine
+    from app.engine.load import LoadTracker
 
     engine = object.__new__(Engine)  # the refresh logic alone: no vLLM engine behind it
     engine.tracker, engine.in_flight, engine.quiet_since = LoadTracker(1024, probe_window=3), 0, time.monotonic() - 5

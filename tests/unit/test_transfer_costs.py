@@ -1,6 +1,6 @@
 """Pull costs from vLLM's per-rank NIXL records: bytes add up over ranks, time is the slowest rank's."""
 
-from app.engine.adapter import LoadTracker, slowest_rank_seconds
+from app.engine.load import LoadTracker, slowest_rank_seconds
 
 KV_BYTES_PER_TOKEN = 1024
 TOKENS = 8000
