@@ -1,6 +1,6 @@
 """The turn loop: what a router's turns share. It makes each turn (`async with loop.turn(spec)`,
-app/turn/turn.py), keeps the live view of engines and the near cache of retained sequences, makes the
-engine calls a turn asks for, and settles each turn when it exits.
+app/turn/turn.py), keeps the live view of engines and the near cache of retained sequences, holds the
+engine calls (app/turn/reply.py EngineCalls), and settles each turn when it exits.
 
     TurnRun exit ──settle()──▶ ledger ──▶ Settlement ──▶ kv_index.record_turn, releases   (off the reply's path)
 Degraded, never down: no live decode replica ──▶ the whole turn on a prefill engine; no live prefill
@@ -15,19 +15,17 @@ import json
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import replace
-from functools import partial
 from typing import Any
 
 from app.config import AppConfig
 from app.kv.index import KVIndex
 from app.metrics import TurnMetrics
-from app.protocol import DecodeRequest, PrefillRequest, PrefillResult, RetainedBlocks, Role, TurnRecords
+from app.protocol import RetainedBlocks, Role, TurnRecords
 from app.turn.journal import TurnJournal
 from app.turn.ledger import Release, Settlement, TurnState, settle
 from app.turn.membership import LiveEngines
 from app.turn.planner import Planner
-from app.turn.reply import NoEngineAlive, ReplyStream, refusal, timed, unless_gone
+from app.turn.reply import EngineCalls
 from app.turn.seams import EngineGroup, KVIndexClient, PrefillGroup
 from app.turn.spec import Turn
 from app.turn.turn import TurnRun
@@ -42,10 +40,11 @@ class TurnLoop:
                  metrics: TurnMetrics) -> None:
         self.config, self.limits = config, config.limits
         self.index = index
-        self.groups: dict[Role, EngineGroup] = {Role.PREFILL: prefill, Role.DECODE: decode}
         self.metrics = metrics
         self.journal = TurnJournal(config.block_size, metrics)
         self.engines = LiveEngines(self.limits.suspect_replica_s)
+        self.calls = EngineCalls({Role.PREFILL: prefill, Role.DECODE: decode}, self.engines, self.limits, metrics)
+        self.groups = self.calls.groups
         self.planner = Planner(config, self.engines, self.journal)
         self.own_retained = KVIndex(config.block_size, hash_seed=config.prefix_hash_seed,
                                     hash_algo=config.prefix_hash_algo)
@@ -104,40 +103,6 @@ class TurnLoop:
     async def drain(self) -> None:
         """Wait for the bookkeeping still running (tests; a router shutting down)."""
         await asyncio.gather(*[t for t in self._tasks if t.get_name() != "membership"])
-
-    # ---- engine calls --------------------------------------------------------------------------------
-    async def prefill_call(self, request: PrefillRequest) -> PrefillResult:
-        gone = partial(self.engines.gone, Role.PREFILL, request.target_replica_id)
-        return await timed(unless_gone(self.groups[Role.PREFILL].prefill(request), gone),
-                           self.limits.prefill_timeout_s, "prefill")
-
-    def stream(self, role: Role, request: DecodeRequest) -> ReplyStream:
-        return ReplyStream(self.groups[role], self.engines.streams, role, request,
-                           gone=partial(self.engines.gone, role, request.target_replica_id))
-
-    def continue_reply(self, request: DecodeRequest) -> ReplyStream:
-        """Stream `request` on a live decode replica (its preferred one if live), else compute it
-        whole on a prefill replica."""
-        if target := self.engines.pick(Role.DECODE, request.target_replica_id):
-            return self.stream(Role.DECODE, replace(request, target_replica_id=target))
-        if target := self.engines.pick(Role.PREFILL):
-            return self.stream(Role.PREFILL, replace(request, target_replica_id=target, handoff=None, retain=False))
-        raise NoEngineAlive("no engine is ready; retry shortly")
-
-    @staticmethod
-    def unless_refused(exc: BaseException, stage: str, request_id: str) -> None:
-        """Raise the client's error if the engine refused the request itself (app/turn/reply.py
-        refusal): no engine is suspected and none is tried next."""
-        if (refused := refusal(exc)) is not None:
-            logger.warning(json.dumps({"event": "engine_refused_request", "stage": stage, "request_id": request_id,
-                                       "error": f"{type(exc).__name__}: {exc}"[:500]}))
-            raise refused from None
-
-    def failed(self, replica_id: str, stage: str, request_id: str, exc: BaseException) -> None:
-        self.engines.suspect(replica_id)
-        self.metrics.record_engine_failure(stage)
-        logger.warning(json.dumps({"event": "engine_call_failed", "stage": stage, "replica": replica_id,
-                                   "request_id": request_id, "error": f"{type(exc).__name__}: {exc}"[:500]}))
 
     # ---- settlement: the one way out of a turn -------------------------------------------------------
     def settle(self, run: TurnRun) -> None:

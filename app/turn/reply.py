@@ -1,18 +1,27 @@
-"""One engine call's reply stream, and what a stage does when it fails or runs late.
+"""A turn's engine calls: each bounded in time, its reply streamed, and what a stage does when it fails.
 
+    EngineCalls: prefill(PrefillRequest), stream(role, DecodeRequest), continue_reply(…) ──▶ the engine groups
     ReplyStream: DecodeRequest ──engine replica──▶ ReplyChunk…   (counted as load while open)
     migrated():  a reply whose engine died ──▶ the same request from the prompt + tokens already sent
     refusal():   a call the engine refused, alive ──▶ the client's error (400/500): no other engine tried
 """
 
 import asyncio
+import json
+import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from functools import partial
 
+from app.config import Limits
 from app.conversations.rendering import BadRequest
-from app.protocol import DecodeRequest, ReplyChunk, Role
+from app.metrics import TurnMetrics
+from app.protocol import DecodeRequest, PrefillRequest, PrefillResult, ReplyChunk, Role
+from app.turn.membership import LiveEngines
 from app.turn.seams import EngineGroup
+
+logger = logging.getLogger("ray.serve")
 
 
 class NoEngineAlive(RuntimeError):
@@ -118,3 +127,45 @@ def migrated(request: DecodeRequest, sent: list[int]) -> DecodeRequest | None:
     return replace(request, request_id=f"{request.request_id}-m", handoff=None,
                    prompt_token_ids=request.prompt_token_ids + tuple(sent),
                    sampling=request.sampling.after(len(sent)))
+
+
+class EngineCalls:
+    """The calls a turn makes to the engine groups, each bounded in time and abandoned when its replica
+    leaves the live set; a failure suspects the replica unless the engine refused the request itself."""
+
+    def __init__(self, groups: dict[Role, EngineGroup], engines: LiveEngines, limits: Limits,
+                 metrics: TurnMetrics) -> None:
+        self.groups, self.engines, self.limits, self.metrics = groups, engines, limits, metrics
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        gone = partial(self.engines.gone, Role.PREFILL, request.target_replica_id)
+        return await timed(unless_gone(self.groups[Role.PREFILL].prefill(request), gone),
+                           self.limits.prefill_timeout_s, "prefill")
+
+    def stream(self, role: Role, request: DecodeRequest) -> ReplyStream:
+        return ReplyStream(self.groups[role], self.engines.streams, role, request,
+                           gone=partial(self.engines.gone, role, request.target_replica_id))
+
+    def continue_reply(self, request: DecodeRequest) -> ReplyStream:
+        """Stream `request` on a live decode replica (its preferred one if live), else compute it
+        whole on a prefill replica."""
+        if target := self.engines.pick(Role.DECODE, request.target_replica_id):
+            return self.stream(Role.DECODE, replace(request, target_replica_id=target))
+        if target := self.engines.pick(Role.PREFILL):
+            return self.stream(Role.PREFILL, replace(request, target_replica_id=target, handoff=None, retain=False))
+        raise NoEngineAlive("no engine is ready; retry shortly")
+
+    @staticmethod
+    def unless_refused(exc: BaseException, stage: str, request_id: str) -> None:
+        """Raise the client's error if the engine refused the request itself (app/turn/reply.py
+        refusal): no engine is suspected and none is tried next."""
+        if (refused := refusal(exc)) is not None:
+            logger.warning(json.dumps({"event": "engine_refused_request", "stage": stage, "request_id": request_id,
+                                       "error": f"{type(exc).__name__}: {exc}"[:500]}))
+            raise refused from None
+
+    def failed(self, replica_id: str, stage: str, request_id: str, exc: BaseException) -> None:
+        self.engines.suspect(replica_id)
+        self.metrics.record_engine_failure(stage)
+        logger.warning(json.dumps({"event": "engine_call_failed", "stage": stage, "replica": replica_id,
+                                   "request_id": request_id, "error": f"{type(exc).__name__}: {exc}"[:500]}))

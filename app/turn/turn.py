@@ -134,13 +134,13 @@ class TurnRun:
             except (StageTimeout, NoEngineAlive):
                 raise
             except Exception as exc:  # noqa: BLE001 - another engine, or the other group, can take the turn
-                self.loop.unless_refused(exc, decision.action.value, self.turn.request_id)
+                self.loop.calls.unless_refused(exc, decision.action.value, self.turn.request_id)
                 if decision.action == Action.PULL and not isinstance(exc, EngineGone):  # recompute, pulling nothing
-                    self.loop.failed("", "kv_pull", self.turn.request_id, exc)
+                    self.loop.calls.failed("", "kv_pull", self.turn.request_id, exc)
                     decision = replace(decision, action=Action.RECOMPUTE, reason=Reason.PULL_FAILED, pull=None)
                     continue
                 failed = decision.prefill_replica_id or (decision.retained.replica_id if decision.retained else "")
-                self.loop.failed(failed, decision.action.value, self.turn.request_id, exc)
+                self.loop.calls.failed(failed, decision.action.value, self.turn.request_id, exc)
                 decision = self.loop.planner.fallback(decision)
         raise NoEngineAlive("the turn failed on every engine tried")
 
@@ -152,7 +152,7 @@ class TurnRun:
                                  first_token=self._first_token_settings(), priority=turn.priority)
         load = len(turn.prompt_token_ids) - decision.tokens_local - decision.pulled_tokens
         with self.loop.journal.queued(decision.prefill_replica_id, load, turn.later):
-            result = await self.loop.prefill_call(request)
+            result = await self.loop.calls.prefill(request)
         self.ledger.pulled = decision.action == Action.PULL
         self.ledger.handoff, self.ledger.prefill_replica_id = result.handoff, result.replica_id
         self.ledger.advance(TurnState.PREFILLED)
@@ -173,7 +173,7 @@ class TurnRun:
                                 prompt_token_ids=turn.prompt_token_ids, cache_salt=turn.cache_salt,
                                 sampling=turn.sampling, handoff=None, target_replica_id=target, retain=on_decode,
                                 priority=turn.priority, tenant=turn.tenant, tool_pause_s=turn.tool_pause_s)
-        stream = self.ledger.open_stream = self.loop.stream(role, request)
+        stream = self.ledger.open_stream = self.loop.calls.stream(role, request)
         with self.loop.journal.queued(target, len(turn.prompt_token_ids) - decision.tokens_local, turn.later):
             try:
                 first = await stream.next(self.limits.first_chunk_timeout_s, "first chunk")
@@ -206,7 +206,7 @@ class TurnRun:
             if first.finish_reason is not None:
                 self._finish(first.retained)
                 return
-        stream = ledger.open_stream = self._reply or self.loop.continue_reply(self._decode_request())
+        stream = ledger.open_stream = self._reply or self.loop.calls.continue_reply(self._decode_request())
         # `sent`: what this stream has produced. A turn computed where it decodes already streamed `first`.
         waiting, started = self._reply is None, time.perf_counter()
         sent = [] if waiting or first is None else list(first.token_ids)
@@ -228,16 +228,16 @@ class TurnRun:
             except (StageTimeout, NoEngineAlive):
                 raise
             except Exception as exc:  # noqa: BLE001 - the engine died mid-reply: continue it elsewhere
-                self.loop.unless_refused(exc, "reply", self.turn.request_id)
+                self.loop.calls.unless_refused(exc, "reply", self.turn.request_id)
                 if self.turn.sampling.reads_reply:  # its state (a grammar's, penalties') cannot move
                     raise
-                self.loop.failed(stream.replica_id, "reply", self.turn.request_id, exc)
+                self.loop.calls.failed(stream.replica_id, "reply", self.turn.request_id, exc)
                 rest = migrated(stream.request, sent)
                 if rest is None:  # it failed after the last token, before saying so
                     self._finish(None)
                     yield ReplyChunk(token_ids=(), text="", finish_reason="length")
                     return
-                stream, sent = self.loop.continue_reply(rest), []
+                stream, sent = self.loop.calls.continue_reply(rest), []
                 ledger.open_stream = stream
         raise NoEngineAlive("the reply failed on every engine tried")
 
