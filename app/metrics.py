@@ -37,8 +37,8 @@ def model_config(model_path: Path) -> dict:
 
 class TurnMetrics:
     """Counter increments and gauge values are kept here and handed to Ray once per `flush()` (the
-    router flushes every heartbeat): Ray's Metric._record was 8.7 % of the router's CPU at 64
-    conversations, with about ten updates a turn. Histogram observations go to Ray at once."""
+    router flushes every heartbeat): with about ten updates a turn, Ray's Metric._record on each one
+    is a large share of the router's CPU. Histogram observations go to Ray at once."""
 
     def __init__(self, kv_bytes_per_token: int) -> None:
         from ray.serve import metrics

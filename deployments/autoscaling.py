@@ -37,7 +37,7 @@ class QueuedTokens:
     call's prompt tokens less those pulled from decode, from its arrival until the engine returns
     the first token (then every token is prefilled). Tokens its prefix cache will serve count too
     (unknown until the engine schedules them). The mean, not the level at the read: a call on a
-    small model lasts tens of milliseconds, so a level read once a second mostly reads 0."""
+    small model lasts a fraction of the read interval, so a level read once a second mostly reads 0."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock

@@ -67,7 +67,7 @@ class DecodeServer(EngineReplica):
         if over > 0:
             await self._release_oldest(over, "pool_share")
         # Requests also wait for the step's token budget, with the pool far from full: releasing then
-        # only cost later turns their KV (90 releases a sweep at 64 conversations, at most 22 % usage).
+        # only costs later turns their KV, so waiting requests release only past `retained_yield_usage`.
         elif load.num_waiting_reqs > 0 and load.kv_cache_usage >= limits.retained_yield_usage:
             await self._release_oldest(0, "waiting", at_least_one=True)
 
@@ -86,8 +86,8 @@ class DecodeServer(EngineReplica):
 
     async def _forget_taken(self) -> None:
         """Stop counting the kept sequences a later turn took (pulled, or continued here and
-        released): nobody tells decode, and counted as held they made the pool share bind on about a
-        third of the KV really held at 64 conversations. A sequence kept within the last
+        released): nobody tells decode, and counted as held they make the pool share bind on a
+        fraction of the KV really held. A sequence kept within the last
         `bookkeeping_timeout_s` may not be recorded yet (its turn's record call is in flight): it stays."""
         recorded_by = time.time() + self.config.retention_ttl_s - self.config.limits.bookkeeping_timeout_s
         keys = [(self.replica_id, r) for r, k in self.kept.items() if k.handoff.expiry_time <= recorded_by]

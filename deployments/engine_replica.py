@@ -63,9 +63,9 @@ class EngineReplica:
             ensure_tiny_model(config.model_path())
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        # Heartbeats and decode's trimming over gRPC, as the router's calls. Through Ray's actor calls,
-        # once decode trimmed to its pool share, its CPU a reply rose from 8-9 ms to 13-16 and the
-        # index's from 3-4 to 7-9 at 64 conversations; over gRPC, 10-11 and 4-5 (docs/measurements.md).
+        # Heartbeats and decode's trimming over gRPC, as the router's calls: through Ray's actor calls,
+        # decode's trimming to its pool share costs both decode and the index more CPU a reply than over
+        # gRPC (docs/measurements.md).
         self.config, self.index = config, index.options(_by_reference=False)
         self.engine = Engine(config, self.role, context.rank.rank, ray.util.get_node_ip_address())
         group = config.prefill if self.role == Role.PREFILL else config.decode

@@ -104,7 +104,7 @@ class Frontend:
         api.state.keys, api.state.open_paths = KeyRing.of(config.api_keys, config.admin_api_keys), open_paths(api)
         api.state.write_timeout_s = self.limits.client_write_timeout_s
         # Admission is counted here, not left to Serve's caller-side queue bound: under a burst
-        # Serve sent 20 of 20 requests on with 12 places (a replica's refusals re-enter its queue
+        # Serve sends requests on past its places (a replica's refusals re-enter its queue
         # unchecked). One frontend replica holds what one router replica does; one tenant, its share.
         holds = self.limits.router_holds
         self.admission = Admission(holds, max(1, int(holds * self.limits.tenant_share)) if config.api_keys else holds)

@@ -28,7 +28,7 @@ DEAD_ENGINE_POLL_S = 0.1
 def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, Any]):
     """vLLM's SamplingParams of a request; its constructor refuses what vLLM would not run (the
     router builds them with this same function to refuse a request before any engine sees it)."""
-    from vllm.sampling_params import SamplingParams, StructuredOutputsParams  # not `from vllm`: 4 us a call
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams  # `from vllm` imports lazily per call
 
     structured = StructuredOutputsParams(
         regex=settings.regex, json=settings.json_schema, json_object=settings.json_object or None,
@@ -195,7 +195,7 @@ class Engine:
     async def refresh_compute_cost(self, num_tokens: int, quiet_s: float, max_age_s: float) -> bool:
         """Re-time the compute cost if no request has run for `quiet_s` and the last measurement is
         older than `max_age_s`: a cost measured only from real turns goes stale on the side that
-        gets none (a decode cost timed while the other engine started kept every turn off decode).
+        gets none (a decode cost timed while the other engine starts keeps every turn off decode).
         A request that arrives during the probe voids it. True if the cost was re-measured."""
         now = time.monotonic()
         if self.in_flight or now - self.quiet_since < quiet_s or now - self.tracker.measured_at < max_age_s:

@@ -4,7 +4,7 @@ stepping, and polls its KV connector every KV_LOOP_IDLE_POLL_S.
 
 vLLM's EngineCore steps without pause while any finished request still holds blocks for a remote
 reader (`Scheduler.has_finished_requests`), and its worker busy-polls the shared-memory queue for a
-second after each step: about 1.4 of this machine's 2 cores for as long as decode retains a turn.
+second after each step: both keep cores busy for as long as decode retains a turn.
 A new request still wakes the engine at once; only the freeing of blocks after a pull or at TTL
 is noticed up to one poll later. vLLM loads this in each of its processes through the
 `vllm.general_plugins` entry point; it does nothing unless the engine adapter set the variable,

@@ -46,8 +46,7 @@ class LoadTracker:
     def observe_prefill(self, seconds: float, computed_tokens: int, others_in_engine: int) -> None:
         """A finished prefill's time (vLLM's `prefill_time`) per token it computed, taken only when it
         ran alone: beside other requests a prefill's time includes theirs, and that cost times the
-        queued tokens counted the queue twice (measured at 64 conversations: 600 us against 60-100
-        alone, and every first turn's estimate three times its measured time)."""
+        queued tokens would count the queue twice, inflating every estimate under load."""
         if computed_tokens >= MIN_MEASURED_TOKENS and seconds > 0 and others_in_engine == 0:
             cost = _smoothed(self.report.compute_s_per_token, seconds / computed_tokens)
             self.report = replace(self.report, compute_s_per_token=cost)
@@ -56,8 +55,8 @@ class LoadTracker:
     def observe_probe(self, seconds_per_token: float) -> None:
         """A timed prefill the engine ran alone; the least of the recent probes is its cost. An
         idle engine's probe is slowed only by other processes (in a sweep, other systems under
-        load: 115-740 us a token, against 64-146 on an idle machine), which its turns may never
-        meet; the app's own load reaches the estimate through the turns' calibration instead."""
+        load), which its turns may never meet; the app's own load reaches the estimate through the
+        turns' calibration instead."""
         self.probes.append(seconds_per_token)
         self.report = replace(self.report, compute_s_per_token=min(self.probes))
         self.measured_at = time.monotonic()

@@ -45,7 +45,7 @@ def check_backends(requested: Iterable[str]) -> BackendCheck:
     although a bare dlopen of the file fails). A backend NIXL refuses is then explained by a dlopen
     of its plugin file, which names the first library the plugin lacks. UCX is created too, not
     assumed from its file: a plugin that loads can still fail to start, and the probe is cheap
-    (0.4 s for UCX here) because the agent runs no progress thread (NIXL's spins a core, FIELD-NOTES),
+    because the agent runs no progress thread (NIXL's spins a core, FIELD-NOTES),
     and nothing outlives this call: the agent and every backend it created go when it returns."""
     from nixl._api import nixl_agent, nixl_agent_config
 

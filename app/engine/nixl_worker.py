@@ -3,13 +3,13 @@ in every worker as its `worker_extension_cls`, before the KV connector builds it
 patches are in place in time.
 
 1. NIXL's progress thread gets a poll delay. nixl 1.5.1 hard-codes `pthrDelay = 0`, so the UCX
-   progress thread spins a core per engine even when idle (field notes: 65-90 % of a core each);
+   progress thread spins a core per engine even when idle;
    the delay comes from the engine adapter through KV_LOOP_NIXL_POLL_DELAY_US.
 2. The worker keeps computing on its engine's cores. On CPU, vLLM's NixlConnector worker pins the
    thread that builds it to the last core of each NUMA node (meant as cores "for start_load_kv()";
    `os.sched_setaffinity(0, ...)` moves the calling thread, and that thread is the one that runs the
-   model). With one engine per core, every engine then computed on the last core while the others
-   idled. The connector's constructor now leaves the thread on the cores it had.
+   model). With one engine per core, every engine would then compute on the last core while the
+   others idle. The connector's constructor now leaves the thread on the cores it had.
 """
 
 import functools

@@ -10,7 +10,7 @@ EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
 def free_port(host: str) -> int:
     """A free port outside the OS's ephemeral range. A port from bind(0) is free only until the
     engine binds it, seconds later, and any process's bind(0) may take it first: a decode worker
-    once took prefill's side-channel port, and vLLM waited for its handshake listener forever."""
+    that takes prefill's side-channel port leaves vLLM waiting for its handshake listener forever."""
     low, high = _ephemeral_range()  # and above Ray's worker ports (10002-19999 by default)
     candidates = range(20_000, low) if low > 21_000 else range(high + 1, 65_536)
     for port in random.sample(candidates, min(len(candidates), 500)):

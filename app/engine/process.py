@@ -6,17 +6,16 @@ to itself when it starts.
    the shared cores. Threads created afterwards (the compute threads) inherit the value. Nothing
    happens unless the variable is set, so other engines in the same environment keep theirs.
 2. It exits when the process that started it dies. Ray's raylet kills the children of a worker
-   that dies, but when the raylet goes too (`ray stop --force`), vLLM's engine processes outlived
-   their Serve replica, with a share of the cores and 1.8 GB each, until killed by hand. The
+   that dies, but when the raylet goes too (`ray stop --force`), vLLM's engine processes outlive
+   their Serve replica, holding cores and memory until killed by hand. The
    kernel's parent-death signal would follow the thread that started the engine, not the process,
    so a thread watches the parent instead.
 3. Its shared-memory queue readers (the worker waiting for the next step, EngineCore for the
    worker's answer) spin for KV_LOOP_SHM_BUSY_POLL_S after each message, then block on the
    writer's notification and recheck the queue every KV_LOOP_SHM_RECHECK_MS. vLLM spins for 1 s,
-   so a reader spins through the whole of every step on the other side: profiled at 64
-   conversations, 78 % of decode's EngineCore samples were that spin, on cores the other engine
-   and the serving path need. vLLM rechecks every 5 s, and its notification can be lost (at a
-   1 ms spin, turns waited 5 s), so a blocked reader rechecks often.
+   so a reader spins through the whole of every step on the other side, on cores the other engine
+   and the serving path need. vLLM rechecks every 5 s, and its notification can be lost (a turn
+   then waits out the whole recheck), so a blocked reader rechecks often.
 
 vLLM loads this in each of its processes; only its spawned children (multiprocessing children,
 not the process that owns the engine) act, so a Serve replica or vLLM's API server is untouched.

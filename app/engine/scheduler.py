@@ -3,14 +3,13 @@
 vLLM's priority policy orders the waiting queue, but every step schedules the running requests
 before any waiting one: a first turn whose prompt is being computed in chunks takes the step's
 token budget step after step, and a later turn that arrives behind it waits until that whole
-prompt is done. At 64 conversations, appends on decode waited 382-841 ms in the engine before
-their first step (runs 28-29). Here, in a step where a request of higher priority waits to start,
-the running chunks of lower-priority prompts sit the step out, and the waiting prompt takes their
-place; they go on in the next step. Only for a prompt this engine computes: one that reads its KV
-from another engine only starts a transfer in its first step (a pause for each such read on decode
-cost its first turns a step each and raised appends' later-turn TTFT at 64 conversations from 237
-to 337 ms, run 30 against 31). A waiting request that still could not start (no free blocks) gets
-no second pause, so chunks are never held back for long.
+prompt is done. Here, in a step where a request of higher priority waits to start, the running
+chunks of lower-priority prompts sit the step out, and the waiting prompt takes their place; they
+go on in the next step. Only for a prompt this engine computes: one that reads its KV from another
+engine only starts a transfer in its first step, so a pause for each such read costs the running
+first turns a step each and brings later turns' first tokens later, not sooner
+(docs/measurements.md). A waiting request that still could not start (no free blocks) gets no
+second pause, so chunks are never held back for long.
 
 Installed in every engine (the benchmark's peers' too) when `AppConfig.later_turns_before_chunks`.
 """

@@ -38,10 +38,10 @@ asked again at once."""
 
 def preload() -> None:
     """Import vLLM's event types before the feed starts: the import takes seconds, and done at the
-    first event it stalls everything else on the event loop behind it (in the index, where the events
-    were decoded before, CI saw it stall every index call for over the registration TTL, so the index
-    forgot both engines and the router answered 503). In the replica the engine's start has imported
-    them already, and this keeps it so should vLLM stop doing that."""
+    first event it stalls everything else on the event loop behind it (a stall past the registration
+    TTL is enough for the index to forget the engines, and the router then answers 503). In the
+    replica the engine's start has imported them already, and this keeps it so should vLLM stop
+    doing that."""
     import msgspec  # noqa: F401
     import zmq.asyncio  # noqa: F401
     from vllm.distributed import kv_events  # noqa: F401

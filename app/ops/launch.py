@@ -13,8 +13,8 @@ HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 WORKER_NICENESS_ENV, SERVING_NICENESS = "RAY_worker_niceness", 0
 """Ray starts its workers, so every Serve replica, at nice 15 by default. On the CPU layout the
 serving path's Python then yields to the engines' compute only weakly (weights 36 to 15 against
-engine_nice 19): at 64 conversations its hops outside the router took 58-88 ms of a later turn's
-first token at 15, 17-27 ms at 0 (docs/measurements.md)."""
+engine_nice 19), and under load its hops outside the router wait behind prefill's compute and add
+to every later turn's first token; at 0 they run ahead of it (docs/measurements.md)."""
 
 
 def start_local(config: AppConfig, num_cpus: int = 4) -> str:

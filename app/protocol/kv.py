@@ -49,7 +49,7 @@ class TurnRecords:
     """What a finished turn tells the KV index, in one call after the reply: the sequence decode
     retains (with the block hashes the router already computed), the blocks prefill computed, the
     conversation record, and the retained sequences to take before the router releases them. One
-    call instead of four: each Serve call cost both ends CPU."""
+    call instead of four: each Serve call costs both ends CPU."""
 
     cache_salt: str
     retained: RetainedBlocks | None = None

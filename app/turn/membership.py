@@ -31,8 +31,8 @@ class LiveEngines:
     def load(self, replica_id: str) -> LoadReport:
         """The replica's load and costs as of its last heartbeat the index passed on, running at
         least the streams this router has open on it: a burst of turns placed between two
-        heartbeats would otherwise all see the load from before the burst (at 64 conversations
-        73-80 % of first turns went to decode and waited there twice as long as on prefill)."""
+        heartbeats would otherwise all see the load from before the burst, pile onto the side that
+        looks idle and queue there."""
         load = self.members.loads.get(replica_id) or LoadReport()
         streams = self.streams[replica_id]
         return load if streams <= load.num_running_reqs else replace(load, num_running_reqs=streams)

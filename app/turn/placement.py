@@ -62,9 +62,8 @@ def estimate(prefill_compute: int, pulled: int, decode_compute: int,
 def compute_time(tokens: int, load: LoadReport) -> float:
     """Seconds to compute `tokens` on the engine. Its measured cost is a prefill's alone; an engine
     with requests running first finishes the step in flight (half a step on average), and the
-    prompt's own step carries the rest of the batch: in the opening burst at 64 conversations,
-    prefill's later turns were estimated at 88-176 ms by cost alone and took 300-674 ms, their
-    admission waiting 100-380 ms for first turns' chunk steps of 118-380 ms."""
+    prompt's own step carries the rest of the batch: a short later turn behind first turns' chunk
+    steps waits for those steps, far longer than its cost alone says."""
     alone, step = tokens * load.compute_s_per_token, _busy_step(load)
     return step / 2 + max(alone, step) if step else alone
 
@@ -111,15 +110,14 @@ class Calibration:
     online (exponentially weighted least squares): measured ~ slope x raw + offset. The offset is
     what the formula misses whatever the size (the prefill hop and handoff, the router's work);
     the slope, what scales with it (batching with other requests, cores shared with other
-    processes). An offset alone, learned from a mix of long first turns and short appends, carried
-    the first turns' errors onto the appends: at 64 conversations it reached -300 ms, and every
-    append looked free on both sides.
+    processes). An offset alone, learned from a mix of long first turns and short appends, carries
+    the first turns' errors onto the appends: it goes negative enough that every append looks free
+    on both sides.
 
     A side's fit that no turn has refreshed for `ttl_s` is forgotten: its turns are estimated by
-    the formula alone until one comes back. A fit learned under one load stood through the next and
-    kept turns off its side, so nothing measured it again: at 64 conversations prefill's appends kept
-    a +361 ms offset from the burst before, all 128 later turns went to decode, and they queued
-    there; earlier, an offset learned from warm-up turns kept every later turn off decode."""
+    the formula alone until one comes back. A fit learned under one load would stand through the
+    next and keep turns off its side, so nothing measures it again: an offset from a burst (or from
+    warm-up turns) sends every later turn to the other side, and they queue there."""
 
     def __init__(self, ttl_s: float = 10.0, alpha: float = 0.05, slope_range: tuple[float, float] = (0.25, 4.0),
                  min_spread_ms: float = 10.0) -> None:

@@ -45,7 +45,7 @@ def refusal(exc: BaseException) -> Exception | None:
     engine or its replica failed. vLLM raises its client errors (VLLMClientError: 400) and
     ValueError, TypeError, OverflowError or EngineGenerateError (500: not clearly the client's)
     for a request it cannot take, and its engine lives on; the other engines would fail the same
-    request the same way. Marking each suspect took every engine from every tenant for
+    request the same way. Marking each suspect would take every engine from every tenant for
     `suspect_replica_s`, so only a dead engine, a dead replica or a timeout moves a turn."""
     from ray.exceptions import RayTaskError
     from vllm.exceptions import VLLMClientError
