@@ -6,7 +6,7 @@
     app/engine/         the vLLM adapter and the plugins that run inside engine processes
     app/ops/            tools for operators, tests and benchmarks (preflight, local launch, faults, oracle)
     app/protocol.py     every message that crosses a deployment boundary
-    app/config.py       the one typed configuration
+    app/config/         the one typed configuration
 The graph is loaded on first use, so a vLLM plugin importing `app.engine` loads neither Ray Serve nor the graph.
 """
 

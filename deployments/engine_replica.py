@@ -78,7 +78,8 @@ class EngineReplica:
             # The engine's events stay on the node: the index gets their block hashes, over its handle.
             kv_events.preload()
             pusher = kv_events.Pusher(self.replica_id, self.index.apply_kv_events.remote,
-                                      config.limits.bookkeeping_timeout_s)
+                                      config.limits.bookkeeping_timeout_s, config.limits.kv_events_push_interval_s,
+                                      config.limits.kv_events_retry_pause_s)
             self._events = loop.create_task(kv_events.forward(self.engine.identity.engine_events_endpoint, pusher))
         _reattach(log_targets)
         await index.register.remote(self.beat())

@@ -41,8 +41,6 @@ from app.turn.routing import NoPrefillReplica
 from deployments.http_guard import HttpGuard, error_response, open_paths, serve_docs
 
 logger = logging.getLogger("ray.serve")
-ROUTER_ATTEMPTS = 3
-"""Router replicas one reply may use: the first, then up to two more if one dies under it."""
 api = FastAPI(title="kv-loop", docs_url=None, redoc_url=None, openapi_url=None)
 api.add_middleware(HttpGuard)
 
@@ -221,7 +219,8 @@ class Frontend:
         if problem := body.over_limits(self.limits):
             raise BadRequest(problem)
         parsed = self.parsing.vllm_request(body) if chat and self.parsing.applies(body) else None
-        relay = Relay(self.streams, request, ROUTER_ATTEMPTS, on_move=lambda stage: self.moves.inc(1, {"stage": stage}))
+        relay = Relay(self.streams, request, self.limits.router_attempts,
+                      on_move=lambda stage: self.moves.inc(1, {"stage": stage}))
         if not self.admission.admit(relay, api.state.keys.tenant_of(request.authorization)):
             if self.admission.full:
                 return error_response("the server is at its request limit; retry shortly", 503,

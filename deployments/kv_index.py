@@ -31,7 +31,6 @@ from app.protocol import (
 
 logger = logging.getLogger("ray.serve")
 
-EXPIRE_EVERY_S = 1.0
 
 
 @serve.deployment(num_replicas=1)
@@ -42,8 +41,7 @@ class KVIndexServer:
     def __init__(self, config: AppConfig) -> None:
         self.config = config
         self.started = time.monotonic()
-        self.index = KVIndex(block_size=config.block_size, hash_seed=config.prefix_hash_seed,
-                             hash_algo=config.prefix_hash_algo)
+        self.index = KVIndex.of(config)
         self.conversations = ConversationStore(config.record_bounds)
         self.responses: TenantLRU[StoredResponse] = TenantLRU(config.record_bounds)
         self._expiry_task = asyncio.get_event_loop().create_task(self._expire_forever())
@@ -52,7 +50,7 @@ class KVIndexServer:
 
     async def _expire_forever(self) -> None:
         while True:
-            await asyncio.sleep(EXPIRE_EVERY_S)
+            await asyncio.sleep(self.config.limits.index_sweep_interval_s)
             self.index.expire()
             for replica_id in self.index.expire_replicas(self.config.limits.registration_ttl_s):
                 logger.warning("replica %s stopped renewing its registration: forgotten", replica_id)

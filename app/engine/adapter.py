@@ -20,10 +20,6 @@ from app.engine.settings import assign_identity, engine_args, engine_env
 from app.metrics import kv_bytes_per_token
 from app.protocol import EngineEndpoint, EngineTiming, KVHandoff, LoadReport, Role, SamplingSettings, TokenLogprobs
 
-DEAD_ENGINE_POLL_S = 0.1
-"""How often a request waiting on the engine checks that the engine process lives."""
-
-
 
 def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, Any]):
     """vLLM's SamplingParams of a request; its constructor refuses what vLLM would not run (the
@@ -154,6 +150,7 @@ class Engine:
         self.pool_blocks = cache.num_gpu_blocks or 0
         self.pool_tokens = self.pool_blocks * cache.block_size
         self.in_flight, self.quiet_since = 0, time.monotonic()
+        self.dead_poll_s = config.limits.engine_dead_poll_s
 
     @property
     def load(self) -> LoadReport:
@@ -163,7 +160,7 @@ class Engine:
     async def generate(self, request_id: str, prompt_token_ids: tuple[int, ...], cache_salt: str,
                        settings: SamplingSettings, kv_transfer_params: dict[str, Any],
                        priority: int = 0) -> AsyncIterator[Any]:
-        """The request's outputs (deltas); EngineDied within DEAD_ENGINE_POLL_S of the engine's death."""
+        """The request's outputs (deltas); EngineDied within limits.engine_dead_poll_s of the engine's death."""
         self.in_flight += 1
         try:
             async with aclosing(self._outputs(request_id, prompt_token_ids, cache_salt, settings,
@@ -184,7 +181,7 @@ class Engine:
         params.output_kind = RequestOutputKind.DELTA
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids), cache_salt=cache_salt)
         outputs = self.llm.generate(prompt, params, request_id, priority=priority)
-        return while_alive(outputs, lambda: self.llm.errored, DEAD_ENGINE_POLL_S)
+        return while_alive(outputs, lambda: self.llm.errored, self.dead_poll_s)
 
     async def probe_compute_cost(self, num_tokens: int, runs: int = 2) -> None:
         """Time `runs` prefills of `num_tokens` fresh tokens (the last counts: the first pays

@@ -26,14 +26,6 @@ from app.protocol import KVEvents
 logger = logging.getLogger("ray.serve")
 
 Event = tuple[str, tuple[bytes, ...]]
-PUSH_INTERVAL_S = 0.1
-"""The least time from one push's start to the next one's (what arrives meanwhile waits for it): a busy
-engine publishes a batch every step, and every Serve call costs the index CPU (a few ms), so pushing
-back to back would cost it a large part of a core per prefill replica. The router's own prediction
-(record_turn) covers a turn's blocks until their events arrive."""
-FAILED_PUSH_PAUSE_S = 1.0
-"""The least time from a failed push's start to the next one's: a full or restarting index is not
-asked again at once."""
 
 
 def preload() -> None:
@@ -81,7 +73,7 @@ class Pusher:
     too only makes the index stale."""
 
     def __init__(self, replica_id: str, push: Callable[[KVEvents], Awaitable[object]], timeout_s: float,
-                 interval_s: float = PUSH_INTERVAL_S, failed_pause_s: float = FAILED_PUSH_PAUSE_S) -> None:
+                 interval_s: float, failed_pause_s: float) -> None:
         self.replica_id, self.timeout_s = replica_id, timeout_s
         self.interval_s, self.failed_pause_s = interval_s, failed_pause_s
         self._push = push

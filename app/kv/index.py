@@ -13,15 +13,24 @@ owner: whoever `take`s it out of the index. Only the owner pulls it or releases 
 
 import time
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from app.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, block_hashes
 from app.protocol import PrefixLookup, ReplicaInfo, RetainedBlocks, RetainedMatch, Role
+
+if TYPE_CHECKING:
+    from app.config import AppConfig
 
 SequenceKey = tuple[str, str]  # (decode replica id, engine request id)
 CONFIRMED = -1.0  # a prefill block reported by the engine's KV events, not only predicted
 
 
 class KVIndex:
+    @classmethod
+    def of(cls, config: "AppConfig") -> "KVIndex":
+        return cls(config.block_size, config.limits.index_blocks_per_replica, config.prefix_hash_seed,
+                   predicted_ttl_s=config.placement.predicted_block_ttl_s, hash_algo=config.prefix_hash_algo)
+
     def __init__(self, block_size: int, prefill_capacity_blocks: int = 100_000,
                  hash_seed: int = DEFAULT_HASH_SEED, predicted_confidence: float = 0.8,
                  predicted_ttl_s: float = 300.0, hash_algo: str = DEFAULT_HASH_ALGO) -> None:

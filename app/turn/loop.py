@@ -31,8 +31,6 @@ from app.turn.spec import Turn
 from app.turn.turn import TurnRun
 
 logger = logging.getLogger("ray.serve")
-OWN_RETAINED_EXPIRY_S = 5.0
-"""How often the router drops expired entries from its own record of retained sequences."""
 
 
 class TurnLoop:
@@ -41,13 +39,12 @@ class TurnLoop:
         self.config, self.limits = config, config.limits
         self.index = index
         self.metrics = metrics
-        self.journal = TurnJournal(config.block_size, metrics)
+        self.journal = TurnJournal(config.block_size, metrics, self.limits.decision_log_entries)
         self.engines = LiveEngines(self.limits.suspect_replica_s)
         self.calls = EngineCalls({Role.PREFILL: prefill, Role.DECODE: decode}, self.engines, self.limits, metrics)
         self.groups = self.calls.groups
         self.planner = Planner(config, self.engines, self.journal)
-        self.own_retained = KVIndex(config.block_size, hash_seed=config.prefix_hash_seed,
-                                    hash_algo=config.prefix_hash_algo)
+        self.own_retained = KVIndex.of(config)
         """The retained sequences this router recorded in the index, as a near cache: a short append
         to one of them goes to decode without an index call. Stale entries cost speed, never
         correctness: decode's prefix cache checks every block by hash."""
@@ -141,7 +138,7 @@ class TurnLoop:
     def _remember(self, salt: str, retained: RetainedBlocks) -> tuple[bytes, ...]:
         """Put `retained` in the near cache; its block hashes."""
         now = time.time()
-        if now - self._own_expired_at > OWN_RETAINED_EXPIRY_S:  # lookups skip expired ones meanwhile
+        if now - self._own_expired_at > self.limits.own_retained_sweep_s:  # lookups skip expired ones meanwhile
             self.own_retained.expire(now)
             self._own_expired_at = now
         hashes = self.own_retained.retained_hashes(salt, retained)

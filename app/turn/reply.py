@@ -60,11 +60,7 @@ def refusal(exc: BaseException) -> Exception | None:
     return None
 
 
-GONE_POLL_S = 0.5
-"""How often a call that has not answered yet checks that its replica is still live."""
-
-
-async def unless_gone(awaitable: Awaitable, gone: Callable[[], bool], poll_s: float = GONE_POLL_S):
+async def unless_gone(awaitable: Awaitable, gone: Callable[[], bool], poll_s: float):
     """`awaitable`'s result, or EngineGone once `gone()`: a call to a replica that died can wait
     in Serve's queue for a replacement replica (tens of seconds) instead of failing."""
     task = asyncio.ensure_future(awaitable)
@@ -83,10 +79,10 @@ class ReplyStream:
     first chunk arrives the call is abandoned if its replica is `gone`."""
 
     def __init__(self, group: EngineGroup, streams: Counter[str], role: Role, request: DecodeRequest,
-                 gone: Callable[[], bool]) -> None:
+                 gone: Callable[[], bool], gone_poll_s: float) -> None:
         """`streams`: open streams per replica (the router's view)."""
         self.role, self.request, self.replica_id = role, request, request.target_replica_id
-        self._streams, self._gone = streams, gone
+        self._streams, self._gone, self._gone_poll_s = streams, gone, gone_poll_s
         self._streams[self.replica_id] += 1
         self._chunks = group.generate(request)
         self._open, self.started, self.finished = True, False, False
@@ -94,7 +90,9 @@ class ReplyStream:
     async def next(self, timeout_s: float, stage: str) -> ReplyChunk:
         waiting = self._chunks.__anext__()
         try:
-            chunk = await timed(waiting if self.started else unless_gone(waiting, self._gone), timeout_s, stage)
+            if not self.started:
+                waiting = unless_gone(waiting, self._gone, self._gone_poll_s)
+            chunk = await timed(waiting, timeout_s, stage)
         except StopAsyncIteration:
             self.finished = True
             raise
@@ -139,12 +137,13 @@ class EngineCalls:
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         gone = partial(self.engines.gone, Role.PREFILL, request.target_replica_id)
-        return await timed(unless_gone(self.groups[Role.PREFILL].prefill(request), gone),
-                           self.limits.prefill_timeout_s, "prefill")
+        call = unless_gone(self.groups[Role.PREFILL].prefill(request), gone, self.limits.replica_gone_poll_s)
+        return await timed(call, self.limits.prefill_timeout_s, "prefill")
 
     def stream(self, role: Role, request: DecodeRequest) -> ReplyStream:
         return ReplyStream(self.groups[role], self.engines.streams, role, request,
-                           gone=partial(self.engines.gone, role, request.target_replica_id))
+                           gone=partial(self.engines.gone, role, request.target_replica_id),
+                           gone_poll_s=self.limits.replica_gone_poll_s)
 
     def continue_reply(self, request: DecodeRequest) -> ReplyStream:
         """Stream `request` on a live decode replica (its preferred one if live), else compute it

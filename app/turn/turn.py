@@ -42,8 +42,6 @@ from app.turn.spec import CONTINUATION_PRIORITY, Turn
 if TYPE_CHECKING:
     from app.turn.loop import TurnLoop
 
-MAX_ATTEMPTS = 3
-"""Engines tried for one stage of a turn (the planned one, then others or the other group)."""
 FALLBACK_REASONS = (Reason.PULL_FAILED, Reason.DECODE_FAILED, Reason.ENGINE_FAILED)
 
 
@@ -125,7 +123,7 @@ class TurnRun:
 
     async def _compute_prompt(self, decision: RoutingDecision
                               ) -> tuple[PrefillResult, ReplyStream | None, RoutingDecision]:
-        for attempt in range(MAX_ATTEMPTS):
+        for attempt in range(self.limits.engine_attempts):
             suffix = str(attempt + 1) if attempt else ""
             try:
                 if decision.action in (Action.PREFILL_ON_DECODE, Action.RUN_ON_PREFILL):
@@ -210,7 +208,7 @@ class TurnRun:
         # `sent`: what this stream has produced. A turn computed where it decodes already streamed `first`.
         waiting, started = self._reply is None, time.perf_counter()
         sent = [] if waiting or first is None else list(first.token_ids)
-        for _ in range(MAX_ATTEMPTS):
+        for _ in range(self.limits.engine_attempts):
             try:
                 async for chunk in self._chunks(stream, "first decode chunk" if waiting else "reply stream"):
                     if waiting and chunk.token_ids:

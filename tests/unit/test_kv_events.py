@@ -100,7 +100,7 @@ async def _until(condition, timeout_s: float = 10.0) -> None:
 def test_one_call_in_flight_and_what_arrives_meanwhile_goes_in_the_next():
     async def run():
         index = _Index()
-        pusher = kv_events.Pusher("p0", index.push, timeout_s=10.0, interval_s=0.3)
+        pusher = kv_events.Pusher("p0", index.push, timeout_s=10.0, interval_s=0.3, failed_pause_s=1.0)
         task = asyncio.get_running_loop().create_task(pusher.run())
         pusher.add([(KVEvents.STORED, (H0,))])
         await _until(lambda: index.calls)
@@ -161,7 +161,8 @@ def test_a_real_vllm_publisher_s_events_reach_the_index_as_hashes_only():
 
         publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint)
         feed = asyncio.get_running_loop().create_task(
-            kv_events.forward(endpoint, kv_events.Pusher("p0", push, timeout_s=5.0, interval_s=0.0)))
+            kv_events.forward(endpoint, kv_events.Pusher("p0", push, timeout_s=5.0, interval_s=0.0,
+                                                          failed_pause_s=1.0)))
         try:
             deadline = time.monotonic() + 10.0
             while not pushed:  # a subscriber gets only what is published after it joined
