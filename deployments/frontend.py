@@ -11,9 +11,9 @@ admission bound or while no engine or router can serve, 504 when a stage times o
 """
 
 import asyncio
-import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -154,11 +154,11 @@ class Frontend:
                                x_session_id: str | None = Header(None)):
         if len(body.messages) > self.limits.max_messages:
             raise BadRequest(f"{len(body.messages)} messages exceed this server's limit of {self.limits.max_messages}")
-        return await self._serve(body, ClientRequest(body, authorization, x_session_id), chat=True)
+        return _http(await self._serve(body, ClientRequest(body, authorization, x_session_id), chat=True))
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, authorization: str | None = Header(None)):
-        return await self._serve(body, ClientRequest(body, authorization), chat=False)
+        return _http(await self._serve(body, ClientRequest(body, authorization), chat=False))
 
     @api.post("/v1/responses")
     async def responses(self, body: ResponsesRequest, authorization: str | None = Header(None),
@@ -180,7 +180,7 @@ class Frontend:
             return completion
         tenant = api.state.keys.tenant_of(authorization)
         if body.stream:
-            events = self._response_events(body, chat, completion.body_iterator, tenant)
+            events = self._response_events(body, chat, completion, tenant)
             return StreamingResponse(events, media_type="text/event-stream")
         response, stored = body.response(completion, chat.template_messages(), tenant)
         return await self._stored(body, response, stored)
@@ -197,11 +197,7 @@ class Frontend:
         for event in stream.opening(self.config.model_name):
             yield event
         async with aclosing(chunks):  # a client gone mid-reply ends the chat stream now, releasing its place
-            async for raw in chunks:
-                data = raw[len("data: "):].strip()
-                if data == "[DONE]":
-                    continue
-                chunk = json.loads(data)
+            async for chunk in chunks:
                 if "error" in chunk:
                     yield stream.event("error", code=str(chunk["error"]["code"]), message=chunk["error"]["message"])
                     return
@@ -213,6 +209,8 @@ class Frontend:
             yield event
 
     async def _serve(self, body: GenerationRequest, request: ClientRequest, chat: bool):
+        """The reply's body, or with `stream` its chunks' bodies (the chat API sends them as SSE,
+        /v1/responses as its own events), or an error response."""
         if body.model and body.model != self.config.model_name:
             return error_response(f"the model {body.model!r} does not exist; this server serves "
                                   f"{self.config.model_name!r}", 404)
@@ -234,7 +232,7 @@ class Frontend:
             raise
         shape = ResponseShape(start.request_id, self.config.model_name, chat)
         if body.stream:
-            return StreamingResponse(self._stream(relay, shape, body, parsed), media_type="text/event-stream")
+            return self._chunk_bodies(relay, shape, body, parsed)
         try:
             return await self._complete(relay, shape, body, parsed)
         finally:
@@ -257,7 +255,7 @@ class Frontend:
         ids, prompt = (relay.sent, list(start.prompt_token_ids)) if body.return_token_ids else (None, None)
         return shape.full(text, finish_reason, use, ids, prompt, message, logprobs)
 
-    async def _stream(self, relay: Relay, shape: ResponseShape, body: GenerationRequest, parsed_request):
+    async def _chunk_bodies(self, relay: Relay, shape: ResponseShape, body: GenerationRequest, parsed_request):
         start = relay.start
         prompt = list(start.prompt_token_ids) if body.return_token_ids else None
         parser = self.parsing.stream(parsed_request) if parsed_request is not None else None
@@ -279,12 +277,23 @@ class Frontend:
                     yield shape.chunk(chunk.text, finish_reason, ids, prompt, delta, logprobs)
                     prompt = None
         except (BadRequest, EngineRefused, StageTimeout) as exc:  # headers are sent: report in-band, then end
-            yield sse(error_body(str(exc), in_band_status(exc)))
+            yield error_body(str(exc), in_band_status(exc))
         except Exception as exc:  # noqa: BLE001
             logger.exception("stream of %s failed", start.request_id)
-            yield sse(error_body(f"generation failed: {type(exc).__name__}", 500))
+            yield error_body(f"generation failed: {type(exc).__name__}", 500)
         finally:
             relay.close()
         if body.include_usage:
             yield shape.usage_chunk(usage(len(start.prompt_token_ids), len(relay.sent), start.cached_tokens))
-        yield sse("[DONE]")
+
+
+def _http(reply: Any) -> Any:
+    """A streamed reply's chunk bodies as the chat API's SSE, ended by [DONE]; anything else as is."""
+    return StreamingResponse(_sse(reply), media_type="text/event-stream") if hasattr(reply, "__anext__") else reply
+
+
+async def _sse(bodies: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    async with aclosing(bodies):  # a client gone mid-reply ends the reply now, releasing its place
+        async for body in bodies:
+            yield sse(body)
+    yield sse("[DONE]")

@@ -83,12 +83,13 @@ class ResponseShape:
 
     def chunk(self, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
               prompt_token_ids: list[int] | None = None, parsed: dict[str, Any] | None = None,
-              logprobs: dict[str, Any] | None = None) -> str:
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One streamed chunk's body: the chat API sends it as SSE, /v1/responses as its own events."""
         choice = self._choice(text, finish_reason, token_ids, "delta", parsed, logprobs)
-        return sse(self._body(self._chunk_object, choice, prompt_token_ids))
+        return self._body(self._chunk_object, choice, prompt_token_ids)
 
-    def usage_chunk(self, usage_body: dict[str, Any]) -> str:
-        return sse(self._body(self._chunk_object, None, usage=usage_body))
+    def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
+        return self._body(self._chunk_object, None, usage=usage_body)
 
     def full(self, text: str, finish_reason: str | None, usage_body: dict[str, Any], token_ids: list[int] | None,
              prompt_token_ids: list[int] | None, parsed: dict[str, Any] | None = None,
