@@ -38,6 +38,7 @@ from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
 from app.ops.client import TurnResult, chat_turn, completion_turn
 from app.turn.spec import turn_priority
+from benchmarks import history
 from benchmarks.multi_turn import app_decisions, key_value, warm_up
 from benchmarks.report import Row, percentile
 from benchmarks.sweep import APP_EXTRA, Conversation, LevelSummary, converse, rows_for
@@ -323,6 +324,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path,
                         default=Path("benchmarks/results") / f"agent-{time.strftime('%Y%m%d-%H%M%S')}")
     add_target_args(parser, url_note=PEERS_ARE_LOCAL)
+    history.add_flag(parser)
     args = parser.parse_args()
     systems = args.systems or (["app"] if args.url else list(SYSTEMS))
     if args.url and systems != ["app"]:
@@ -335,6 +337,7 @@ def main() -> None:
     summary = summarize(rows, config.block_size, args.preset)
     print(summary, flush=True)
     write(rows, summary, args.out)
+    history.record(args, "agent", history.agent_rows(rows, config.block_size, args.preset))
     print(f"rows, summary and plot in {args.out}")
 
 

@@ -41,6 +41,7 @@ from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
 from app.ops.client import TurnResult
 from app.turn.routing import RoutingPolicy
+from benchmarks import history
 from benchmarks.report import Row, summarize, write_results
 from benchmarks.target import NO_KEY, PEERS_ARE_LOCAL, Target, add_target_args, decisions, resolve, resolve_target
 from benchmarks.workload import Profile, load_tokenizer, openai_client, plan_conversation, replay
@@ -290,6 +291,7 @@ def main() -> None:
                              "repeatable. With --url: what the summary reads about the app there (block_size=16 "
                              "for serve.yaml)")
     add_serve_proxy_flag(parser)
+    history.add_flag(parser)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / time.strftime("%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     preset = preset_from_args(args)
@@ -305,6 +307,7 @@ def main() -> None:
     ingress = target.url or ("Serve's proxy actor" if args.serve_proxy else "Serve's HAProxy ingress")
     summary = f"ingress: {ingress}\n\n" + summarize(rows, config)
     write_results(rows, summary, args.out)
+    history.record(args, "multi_turn", history.multi_turn_rows(rows, config.block_size, preset.in_flight))
     print(summary)
     print(f"rows, summary and plot in {args.out}")
 

@@ -49,6 +49,7 @@ from app.config import AppConfig, load_config
 from app.metrics import kv_bytes_per_token
 from app.ops.client import TurnResult, chat_turn, completion_turn
 from app.turn.spec import turn_priority
+from benchmarks import history
 from benchmarks.cpu_profile import CLIENT_ROLE, snapshot, spent_since
 from benchmarks.multi_turn import app_decisions, key_value, rows_of
 from benchmarks.report import Row, ideal_tokens, later_hit_share, percentile, wall_s
@@ -429,6 +430,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path,
                         default=Path("benchmarks/results") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     add_target_args(parser, url_note=PEERS_ABSENT)
+    history.add_flag(parser)
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -445,6 +447,7 @@ def main() -> None:
     summary = "\n\n".join((*heading, summarize(rows, config), machine_lines(rows, cpu, config), cpu_lines(cpu)))
     print(summary, flush=True)
     write(rows, cpu, summary, config, args.out)
+    history.record(args, "sweep", history.sweep_rows(rows, config.block_size))
     print(f"rows, summary and plot in {args.out}")
 
 
