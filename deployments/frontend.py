@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Header, Request
@@ -28,7 +29,7 @@ from ray.serve.exceptions import BackPressureError
 
 from app.config import AppConfig
 from app.conversations.openai_api import ChatCompletionRequest, CompletionRequest, GenerationRequest, refused_fields
-from app.conversations.openai_replies import ResponseShape, error_body, logprobs_body, sse, usage
+from app.conversations.openai_replies import ResponseShape, error_body, logprobs_body, merged_choices, sse, usage
 from app.conversations.rendering import BadRequest
 from app.conversations.reply_parsing import ReplyParsing
 from app.conversations.request_check import vllm_responses_defaults
@@ -217,26 +218,72 @@ class Frontend:
         if problem := body.over_limits(self.limits):
             raise BadRequest(problem)
         parsed = self.parsing.vllm_request(body) if chat and self.parsing.applies(body) else None
-        relay = Relay(self.streams, request, self.limits.router_attempts,
-                      on_move=lambda stage: self.moves.inc(1, {"stage": stage}))
-        if not self.admission.admit(relay, api.state.keys.tenant_of(request.authorization)):
-            if self.admission.full:
-                return error_response("the server is at its request limit; retry shortly", 503,
-                                      retry_after_s=self.limits.retry_after_s)
-            return error_response("this API key holds its share of the server's requests in flight; retry "
-                                  "when one ends", 429, retry_after_s=self.limits.retry_after_s)
-        try:
-            start = await relay.begin()
-        except BaseException:
-            relay.close()
-            raise
-        shape = ResponseShape(start.request_id, self.config.model_name, chat)
+        choices = body.choices() if body.n > 1 else [body]
+        relays = await self._begin([replace(request, body=choice) for choice in choices])
+        if isinstance(relays, JSONResponse):
+            return relays
+        request_id = relays[0].start.request_id
+        shapes = [ResponseShape(request_id, self.config.model_name, chat, index) for index in range(len(relays))]
         if body.stream:
-            return self._chunk_bodies(relay, shape, body, parsed)
+            if len(relays) == 1:
+                return self._chunk_bodies(relays[0], shapes[0], body, parsed)
+            return self._merged_bodies(relays, shapes, choices, body.include_usage, parsed)
         try:
-            return await self._complete(relay, shape, body, parsed)
+            return merged_choices(await asyncio.gather(*(self._complete(relay, shape, choice, parsed) for
+                                                         relay, shape, choice in zip(relays, shapes, choices))))
         finally:
-            relay.close()
+            for relay in relays:
+                relay.close()
+
+    async def _begin(self, requests: list[ClientRequest]) -> list[Relay] | JSONResponse:
+        """A started relay per request (a choice each), each holding an admission place; or the refusal."""
+        relays: list[Relay] = []
+        for request in requests:
+            relays.append(Relay(self.streams, request, self.limits.router_attempts,
+                                on_move=lambda stage: self.moves.inc(1, {"stage": stage})))
+            if not self.admission.admit(relays[-1], api.state.keys.tenant_of(request.authorization)):
+                for relay in relays:
+                    relay.close()
+                if self.admission.full:
+                    return error_response("the server is at its request limit; retry shortly", 503,
+                                          retry_after_s=self.limits.retry_after_s)
+                return error_response("this API key holds its share of the server's requests in flight; retry "
+                                      "when one ends", 429, retry_after_s=self.limits.retry_after_s)
+        starts = [asyncio.ensure_future(relay.begin()) for relay in relays]
+        try:
+            await asyncio.gather(*starts)
+        except BaseException:
+            for start, relay in zip(starts, relays):
+                start.cancel()
+                relay.close()
+            raise
+        return relays
+
+    async def _merged_bodies(self, relays: list[Relay], shapes: list[ResponseShape],
+                             choices: list[GenerationRequest], include_usage: bool, parsed_request):
+        """The choices' chunk bodies as they come, then one usage for them all (vLLM's `n` > 1 stream)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(bodies) -> None:
+            try:
+                async for body in bodies:
+                    await queue.put(body)
+            finally:
+                queue.put_nowait(None)
+
+        pumps = [asyncio.ensure_future(pump(self._chunk_bodies(*args, parsed_request)))
+                 for args in zip(relays, shapes, choices)]
+        try:
+            for _ in pumps:
+                while (body := await queue.get()) is not None:
+                    yield body
+        finally:
+            for task in pumps:
+                task.cancel()
+        if include_usage:
+            start = relays[0].start
+            yield shapes[0].usage_chunk(usage(len(start.prompt_token_ids), sum(len(r.sent) for r in relays),
+                                              start.cached_tokens))
 
     async def _complete(self, relay: Relay, shape: ResponseShape, body: GenerationRequest, parsed_request):
         """`parsed_request`: vLLM's request model when vLLM's parsers read the reply, else None."""

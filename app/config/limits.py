@@ -66,6 +66,10 @@ class Limits:
     max_token_rules: Count = 256
     """Entries of `stop_token_ids`, `bad_words` or `logit_bias` (each) above this get 400: vLLM
     applies each at every step of the reply."""
+    max_choices: Count = 8
+    """Choices (`n`) one request may ask for: each is a turn of its own on the engines, and decode
+    keeps each reply's KV for whichever choice the client continues; more costs that much more
+    engine work and retained KV per request."""
     max_logprobs: Count = 20
     """Candidates per token a request may ask for (vLLM's max_logprobs of every engine, checked in
     the router); each costs a sort over the vocabulary."""

@@ -26,13 +26,13 @@ from app.turn.routing import RoutingPolicy
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 NOT_IMPLEMENTED_TEXT = "tokens are returned as text (return_token_ids gives their ids)"
-_ONE_CHOICE = ("one choice per request: a reply is a turn whose KV decode keeps for the conversation's next one; "
-               "send a request per choice")
+_ONE_CHOICE = ("choices are sampled as n turns, each kept for the conversation's next one: there is no best of "
+               "them to pick; use n")
 _RENDERING = "conversations are rendered append-only with the model's own chat template"
 _TEXT_ONLY = "this server reads and returns text only"
 REFUSED_BECAUSE = {
     "functions": "deprecated by OpenAI: use tools", "function_call": "deprecated by OpenAI: use tool_choice",
-    "n": _ONE_CHOICE, "best_of": _ONE_CHOICE,
+    "best_of": _ONE_CHOICE,
     "use_beam_search": "beam search is not implemented", "length_penalty": "it applies to beam search only",
     "prompt_logprobs": "a prompt's history is mostly not computed at all (its KV is reused), so it has none",
     "logprob_token_ids": "not implemented: top_logprobs is", "return_tokens_as_token_ids": NOT_IMPLEMENTED_TEXT,
@@ -173,6 +173,8 @@ class GenerationRequest(BaseModel):
     """vLLM's extension: sample among the k likeliest tokens (0 or -1: all)."""
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     """Within int64, as vLLM's server bounds it."""
+    n: int = Field(default=1, ge=1)
+    """Choices: each a turn of its own (choices()), its reply's KV kept for whichever the client continues."""
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -262,6 +264,8 @@ class GenerationRequest(BaseModel):
         """What in the request exceeds the server's bounds on work a field can ask of an engine:
         a grammar's compile time grows faster than its regex, and vLLM checks every stop string
         against every new token's text and applies every token rule at every step."""
+        if self.n > limits.max_choices:
+            return f"n: {self.n} choices exceed this server's limit of {limits.max_choices}"
         regex_bytes = len(self.structured_outputs.regex.encode()) if self.structured_outputs else 0
         if regex_bytes > limits.max_regex_bytes:
             return (f"structured_outputs.regex: {regex_bytes} bytes exceed this server's limit of "
@@ -275,6 +279,13 @@ class GenerationRequest(BaseModel):
             if len(getattr(self, name) or ()) > limits.max_token_rules:
                 return f"{name}: more than this server's limit of {limits.max_token_rules} entries"
         return None
+
+    def choices(self) -> list["GenerationRequest"]:
+        """One request per choice, as vLLM splits `n` (its parallel sampling): choice i samples with
+        seed + i, and streams without usage, which the merged stream reports once."""
+        update: dict[str, Any] = {"n": 1, "stream_options": None} if self.stream else {"n": 1}
+        return [self.model_copy(update={**update, "seed": None if self.seed is None else self.seed + i})
+                for i in range(self.n)]
 
     @property
     def may_call_tools(self) -> bool:

@@ -47,8 +47,9 @@ def error_body(message: str, status: int) -> dict[str, Any]:
 class ResponseShape:
     """Builds chat or text-completion bodies and chunks for one request."""
 
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
-        self.request_id, self.model, self.chat = request_id, model, chat
+    def __init__(self, request_id: str, model: str, chat: bool, index: int = 0) -> None:
+        """`index`: the choice this shape builds (requests with `n` > 1 have one shape per choice)."""
+        self.request_id, self.model, self.chat, self.index = request_id, model, chat, index
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
@@ -64,7 +65,7 @@ class ResponseShape:
                 message_key: str, parsed: dict[str, Any] | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         """`parsed`: the message or delta vLLM's parsers made of the text (app/conversations/reply_parsing.py);
         `logprobs`: logprobs_body's, when the request asked for them."""
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice[message_key] = {"role": "assistant", **parsed} if parsed is not None else {
                 "role": "assistant", "content": text}
@@ -101,3 +102,15 @@ class ResponseShape:
 def sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload)
     return f"data: {data}\n\n"
+
+
+def merged_choices(replies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One body of the choices' replies, as vLLM's server answers `n` > 1: the prompt counted once,
+    the completions' tokens summed."""
+    first = replies[0]
+    if len(replies) == 1:
+        return first
+    completion = sum(reply["usage"]["completion_tokens"] for reply in replies)
+    use = {**first["usage"], "completion_tokens": completion,
+           "total_tokens": first["usage"]["prompt_tokens"] + completion}
+    return {**first, "choices": [reply["choices"][0] for reply in replies], "usage": use}

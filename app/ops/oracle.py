@@ -34,6 +34,14 @@ class ReferenceEngine:
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outputs]
 
+    def choices(self, prompt: list[int], max_tokens: int, sampling: dict[str, Any]) -> list[list[int]]:
+        """Every choice's token ids of one request (`sampling` with vLLM's `n`, `seed`, ...)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams.from_optional(**{"max_tokens": max_tokens, "ignore_eos": True, **sampling})
+        output = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+        return [list(choice.token_ids) for choice in sorted(output.outputs, key=lambda c: c.index)]
+
     def logprobs(self, prompt: list[int], max_tokens: int, top: int) -> list[dict[str, float]]:
         """Greedy, ignore_eos: each generated token's candidates (the sampled one and the `top`
         likeliest) by their text, as vLLM's server names them, with their log probabilities."""

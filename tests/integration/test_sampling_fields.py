@@ -107,3 +107,43 @@ def test_a_reply_ending_inside_a_utf8_character_has_the_plain_engine_s_text(clie
     ids, text = ray.get(reference.replies.remote([whole.prompt_ids], length, None, fields))[0]
     assert whole.output_ids == streamed.output_ids == ids == [lead] * length
     assert whole.text == streamed.text == text
+
+
+def test_n_choices_are_vllm_s_choices_and_each_one_continues(client, http, reference):
+    """`n` as vLLM's server answers it: seeded choices equal one plain engine's n choices of the same
+    seed (each a turn sampled whole in one engine), streamed or not; the client's next turn continues
+    whichever choice it kept, reusing its history."""
+    messages = _messages("Choices")
+    body = {"messages": messages, "max_tokens": MAX_TOKENS, "ignore_eos": True, "return_token_ids": True,
+            "n": 2, "seed": 11, "temperature": 1.0}
+    reply = http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    reply = reply.json()
+    prompt, choices = reply["prompt_token_ids"], reply["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    expected = ray.get(reference.choices.remote(prompt, MAX_TOKENS, {"n": 2, "seed": 11, "temperature": 1.0}))
+    assert [c["token_ids"] for c in choices] == expected and expected[0] != expected[1]
+    assert reply["usage"]["completion_tokens"] == 2 * MAX_TOKENS and reply["usage"]["prompt_tokens"] == len(prompt)
+
+    streamed = client.chat.completions.create(model="tiny-qwen3", messages=messages, max_tokens=MAX_TOKENS, n=2,
+                                              seed=11, temperature=1.0, stream=True,
+                                              stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids, usage = {0: [], 1: []}, []
+    for chunk in streamed:
+        for choice in chunk.choices:
+            ids[choice.index] += choice.model_dump().get("token_ids") or []
+        usage += [chunk.usage] if chunk.usage else []
+    assert [ids[0], ids[1]] == expected
+    assert len(usage) == 1 and usage[0].completion_tokens == 2 * MAX_TOKENS
+
+    kept = choices[1]["message"]["content"]
+    after = chat_turn(client, [*messages, {"role": "assistant", "content": kept}, {"role": "user", "content": "More"}],
+                      MAX_TOKENS)
+    decision = decisions_by_request(http)[after.request_id]
+    assert decision["rendering"]["cause"] == "none" and after.output_ids == _oracle(reference, after.prompt_ids)
+
+
+def test_n_past_the_server_s_limit_is_a_400(http):
+    response = http.post("/v1/chat/completions", json={"messages": _messages("Too many"), "n": 99})
+    assert response.status_code == 400 and "n: 99 choices" in response.json()["error"]["message"], response.text

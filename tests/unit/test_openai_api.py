@@ -62,6 +62,7 @@ def test_the_rest_of_a_reply_counts_min_tokens_like_max_tokens():
     ({}, False), ({"min_tokens": 3, "repetition_penalty": 1.3, "logit_bias": {"1": 2.0}, "stop_token_ids": [1]}, False),
     ({"presence_penalty": 0.5}, True), ({"frequency_penalty": 0.1}, True), ({"bad_words": ["x"]}, True),
     ({"structured_outputs": {"regex": "a+"}}, True), ({"presence_penalty": 0.0}, False),
+    ({"seed": 3, "temperature": 0.8}, True), ({"seed": 3, "temperature": 0.0}, False),
 ])
 def test_sampling_that_reads_the_reply_so_far_is_known(fields, reads):
     """Penalties over generated tokens, bad words and grammars must see the whole reply in one
@@ -71,8 +72,24 @@ def test_sampling_that_reads_the_reply_so_far_is_known(fields, reads):
 
 
 def test_fields_the_server_does_not_declare_are_kept_for_the_router_s_check():
-    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], n=2, some_client_field=1)
-    assert body.model_extra == {"n": 2, "some_client_field": 1}
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], best_of=2, some_client_field=1)
+    assert body.model_extra == {"best_of": 2, "some_client_field": 1}
+
+
+def test_n_choices_are_n_requests_seeded_as_vllm_seeds_its_children():
+    from app.config import Limits
+    from app.conversations.openai_replies import merged_choices
+
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], n=3, seed=7, stream=True,
+                                 stream_options={"include_usage": True})
+    choices = body.choices()
+    assert [(c.n, c.seed, c.include_usage) for c in choices] == [(1, 7, False), (1, 8, False), (1, 9, False)]
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], n=2).choices()[1].seed is None
+    assert body.over_limits(Limits(max_choices=2)) == "n: 3 choices exceed this server's limit of 2"
+    replies = [{"id": "a", "choices": [{"index": i, "text": str(i)}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 2 + i, "total_tokens": 7 + i}} for i in range(2)]
+    assert merged_choices(replies) == {"id": "a", "choices": [{"index": 0, "text": "0"}, {"index": 1, "text": "1"}],
+                                       "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}}
 
 
 @pytest.mark.parametrize("extra, named", [

@@ -66,7 +66,7 @@ def _body(chat: bool = True, **fields):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"n": 2}, "n (one choice per request: a reply is a turn"),
+    ({"best_of": 2}, "best_of (choices are sampled as n turns"),
     ({"prompt_logprobs": 2}, "prompt_logprobs (a prompt's history is mostly not computed at all"),
     ({"chat_template": "{{ messages }}"}, "chat_template (a client's template is not run)"),
     ({"use_beam_search": True, "length_penalty": 0.5}, "length_penalty (it applies to beam search only), "
