@@ -10,20 +10,29 @@ import psutil
 
 from app.ops.launch import APP_NAME
 
-_APP = f"ServeReplica:{APP_NAME}:"
-ROLES = ((f"{_APP}frontend", "frontend"), (f"{_APP}router", "router"), (f"{_APP}prefill", "prefill replica"),
-         (f"{_APP}decode", "decode replica"), (f"{_APP}KVIndexServer", "kv index"),
-         ("ServeReplica:serve-llm", "serve-llm replicas"), ("vllm.entrypoints.openai.api_server", "vllm server"),
-         ("haproxy", "haproxy"), ("ProxyActor", "serve proxy"), ("HAProxyManager", "serve proxy"),
-         ("ServeController", "serve controller"), ("raylet", "ray system"), ("gcs_server", "ray system"),
-         ("dashboard", "ray system"), ("ray::", "ray system"))
-"""Command-line fragments, first match wins."""
+APP_ROLES = ("frontend", "router", "prefill replica", "decode replica", "kv index")
+"""The app's own replicas (each with its engine's processes)."""
+
+
+def roles_of(app: str) -> tuple[tuple[str, str], ...]:
+    """Command-line fragments and their roles, first match wins, for the Serve application `app`."""
+    replica = f"ServeReplica:{app}:"
+    return ((f"{replica}frontend", "frontend"), (f"{replica}router", "router"),
+            (f"{replica}prefill", "prefill replica"), (f"{replica}decode", "decode replica"),
+            (f"{replica}KVIndexServer", "kv index"),
+            ("ServeReplica:serve-llm", "serve-llm replicas"), ("vllm.entrypoints.openai.api_server", "vllm server"),
+            ("haproxy", "haproxy"), ("ProxyActor", "serve proxy"), ("HAProxyManager", "serve proxy"),
+            ("ServeController", "serve controller"), ("raylet", "ray system"), ("gcs_server", "ray system"),
+            ("dashboard", "ray system"), ("ray::", "ray system"))
+
+
+ROLES = roles_of(APP_NAME)
 CLIENT_ROLE = "client (benchmark)"
 """The benchmark's own process: for one system, the same work per reply in every run, so its CPU
 per reply reads how fast the machine ran."""
 
 
-def role_of(process: psutil.Process, own_pid: int) -> str:
+def role_of(process: psutil.Process, own_pid: int, roles: tuple[tuple[str, str], ...] = ROLES) -> str:
     """A process's role; a vLLM engine core (or its worker) takes its owner's role."""
     if process.pid == own_pid:
         return CLIENT_ROLE
@@ -34,31 +43,31 @@ def role_of(process: psutil.Process, own_pid: int) -> str:
     if "EngineCore" in command or "VLLM" in process.name() or "multiprocessing.spawn" in command:
         owner = process.parent()
         while owner is not None and owner.pid > 1:
-            role = role_of(owner, own_pid)
+            role = role_of(owner, own_pid, roles)
             if role.startswith("engine core"):
                 return role
             if role not in ("other", "ray system"):
                 return f"engine core ({role})"
             owner = owner.parent()
-    return next((role for fragment, role in ROLES if fragment in command), "other")
+    return next((role for fragment, role in roles if fragment in command), "other")
 
 
-def snapshot() -> dict[int, tuple[str, float]]:
+def snapshot(roles: tuple[tuple[str, str], ...] = ROLES) -> dict[int, tuple[str, float]]:
     """Every process's role and CPU seconds so far (user + system)."""
     own, seen = os.getpid(), {}
     for process in psutil.process_iter():
         try:
             times = process.cpu_times()
-            seen[process.pid] = (role_of(process, own), times.user + times.system)
+            seen[process.pid] = (role_of(process, own, roles), times.user + times.system)
         except psutil.Error:
             continue
     return seen
 
 
-def spent_since(before: dict[int, tuple[str, float]]) -> dict[str, float]:
+def spent_since(before: dict[int, tuple[str, float]], roles: tuple[tuple[str, str], ...] = ROLES) -> dict[str, float]:
     """CPU seconds each role used since `before` (processes started since count from zero)."""
     used: dict[str, float] = {}
-    for pid, (role, seconds) in snapshot().items():
+    for pid, (role, seconds) in snapshot(roles).items():
         spent = seconds - before.get(pid, (role, 0.0))[1]
         if spent > 0.005:
             used[role] = round(used.get(role, 0.0) + spent, 3)

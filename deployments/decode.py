@@ -11,6 +11,7 @@ conversations cannot push out the others'; while the pool share has room, any te
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -50,12 +51,23 @@ class DecodeServer(EngineReplica):
         return sum(_blocks(k) for k in self.kept.values())
 
     async def _trim_forever(self) -> None:
+        limits = self.config.limits
         while not self.engine.llm.errored:
-            await asyncio.sleep(self.config.limits.retained_trim_interval_s)
+            if self._quiet(limits.retained_trim_idle_interval_s):
+                # Idle: nothing kept can grow or be wanted until a request comes, which wakes this.
+                self.request_arrived.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.request_arrived.wait(), limits.retained_trim_idle_interval_s)
+            else:
+                await asyncio.sleep(limits.retained_trim_interval_s)
             try:
                 await self._trim()
             except Exception:  # noqa: BLE001 - trimming is an optimisation; the TTL still frees blocks
                 logger.exception("trimming retained sequences failed")
+
+    def _quiet(self, for_s: float) -> bool:
+        """No request in the engine, and none for `for_s`."""
+        return not self.engine.in_flight and time.monotonic() - self.engine.quiet_since >= for_s
 
     async def _trim(self) -> None:
         await self._forget_taken()

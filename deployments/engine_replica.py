@@ -67,6 +67,8 @@ class EngineReplica:
         # decode's trimming to its pool share costs both decode and the index more CPU a reply than over
         # gRPC (docs/measurements.md).
         self.config, self.index = config, index.options(_by_reference=False)
+        self.request_arrived = asyncio.Event()
+        """Set by every request (generate); what waits for work while the engine is idle clears it."""
         self.engine = Engine(config, self.role, context.rank.rank, ray.util.get_node_ip_address())
         group = config.prefill if self.role == Role.PREFILL else config.decode
         self.info = ReplicaInfo(replica_id=self.replica_id, role=self.role, endpoint=self.engine.endpoint,
@@ -116,6 +118,7 @@ class EngineReplica:
     async def generate(self, request: DecodeRequest) -> AsyncIterator[ReplyChunk]:
         """Stream a reply: read prefill's handoff first, or compute the prompt here (its prefix cache
         serves what it holds). Cancelling the call aborts the engine request and frees its blocks."""
+        self.request_arrived.set()
         computes_prompt = request.handoff is None
         if computes_prompt:
             params = hold_params() if request.retain else {}

@@ -123,13 +123,19 @@ class AppConfig:
     """How long an engine's worker and EngineCore spin on their shared-memory queue after each
     message before blocking: longer answers sooner, burning a core meanwhile."""
     engine_queue_recheck_ms: Count = 2
-    """How often a blocked reader of those queues rechecks it: bounds what a lost notification costs;
-    an idle engine wakes this often."""
+    """How often a busy reader of those queues, blocked, rechecks it: bounds what a lost notification
+    costs while requests run."""
+    engine_idle_recheck_ms: Count = 100
+    """The longest recheck of a reader idle for a while (it rechecks every 5 % of its idle time, from
+    engine_queue_recheck_ms up to this): an idle engine's worker wakes this often; a notification
+    lost after an idle spell costs up to this."""
     engine_idle_poll_s: Delay = 5.0
     """An engine holding only finished turns for remote readers polls its connector this often instead
     of stepping (0: vLLM's busy loop): longer saves CPU, and delays noticing a reader's release."""
-    nixl_poll_delay_us: Natural = 100
-    """NIXL progress-thread sleep between polls; 0 (NIXL's own) spins a core per engine."""
+    nixl_poll_delay_us: Natural = 10_000
+    """NIXL's progress thread's periodic wakeup beside its workers' event fds, which wake it at once
+    (NIXL rounds it up to whole milliseconds; 0, NIXL's own, spins a core per engine): shorter
+    bounds what an event poll() misses costs a transfer, for more wakeups of an idle engine."""
     # ---- routing and conversations ----
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
     """kv_aware, session_affinity, round_robin or least_loaded (app/turn/routing.py)."""

@@ -116,6 +116,10 @@ class Limits:
     then releases one retained sequence per trim tick. Lower releases retained KV sooner."""
     retained_trim_interval_s: Seconds = 0.5
     """How often decode checks what it retains against its pool share and the requests waiting."""
+    retained_trim_idle_interval_s: Seconds = 5.0
+    """Once its engine has had no request for this long, decode checks this often instead, and a new
+    request wakes the check at once: nothing kept can grow or be wanted meanwhile; only the count of
+    kept sequences later turns took lags this much. Each check asks the index about every kept one."""
     own_retained_sweep_s: Seconds = 5.0
     """How often the router drops expired entries from its own record of retained sequences."""
     kv_events_push_interval_s: Delay = 0.1

@@ -56,9 +56,14 @@ class ReplicaRuntime:
     """Also write every replica log line to stderr (the log files and the dashboard have them): CPU per line."""
     access_log: Bool = False
     """Serve's access line per request and replica (the router's decision log covers turns): CPU per request."""
+    metrics_export_interval_ms: Count = 1000
+    """How often Serve hands each replica's counters, and each handle's it holds, to Ray's metrics
+    (Serve's default 100): each export is a task on the replica's event loop; Ray's metrics agent
+    exports every few seconds, so a dashboard sees no difference."""
 
     def env_vars(self) -> dict[str, str]:
         flag = lambda on: "1" if on else "0"  # noqa: E731
         return {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": flag(not self.user_code_on_main_loop),
                 "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": flag(not self.handle_router_on_main_loop),
-                "RAY_SERVE_LOG_TO_STDERR": flag(self.log_to_stderr)}
+                "RAY_SERVE_LOG_TO_STDERR": flag(self.log_to_stderr),
+                "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": str(self.metrics_export_interval_ms)}

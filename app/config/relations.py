@@ -25,6 +25,8 @@ def _engines(c: "AppConfig") -> dict[str, bool]:
             c.device != Device.CPU or c.block_size % 32 == 0,
         "max_model_len must hold at least two blocks (2 x block_size)": c.max_model_len >= 2 * c.block_size,
         "placement.probe_tokens must be below max_model_len": c.placement.probe_tokens < c.max_model_len,
+        "engine_idle_recheck_ms must be >= engine_queue_recheck_ms":
+            c.engine_idle_recheck_ms >= c.engine_queue_recheck_ms,
     }
     for name in GROUPS:
         group = getattr(c, name)

@@ -15,7 +15,11 @@ to itself when it starts.
    writer's notification and recheck the queue every KV_LOOP_SHM_RECHECK_MS. vLLM spins for 1 s,
    so a reader spins through the whole of every step on the other side, on cores the other engine
    and the serving path need. vLLM rechecks every 5 s, and its notification can be lost (a turn
-   then waits out the whole recheck), so a blocked reader rechecks often.
+   then waits out the whole recheck), so a blocked reader rechecks often. An idle reader backs off:
+   it rechecks every IDLE_RECHECK_SHARE of the time since its last message, between
+   KV_LOOP_SHM_RECHECK_MS and KV_LOOP_SHM_IDLE_RECHECK_MS, so an idle engine's worker does not wake
+   hundreds of times a second. A notification still wakes it at once; only a lost one after an idle
+   spell costs up to the idle recheck instead of the recheck.
 
 vLLM loads this in each of its processes; only its spawned children (multiprocessing children,
 not the process that owns the engine) act, so a Serve replica or vLLM's API server is untouched.
@@ -32,15 +36,20 @@ import time
 ENGINE_NICE_ENV = "KV_LOOP_ENGINE_NICE"
 SHM_BUSY_POLL_ENV = "KV_LOOP_SHM_BUSY_POLL_S"
 SHM_RECHECK_ENV = "KV_LOOP_SHM_RECHECK_MS"
+SHM_IDLE_RECHECK_ENV = "KV_LOOP_SHM_IDLE_RECHECK_MS"
+IDLE_RECHECK_SHARE = 0.05
+"""A blocked reader idle for t rechecks its queue every t times this (within the two rechecks): busy
+readers keep the short recheck, and one idle for a second or more waits the idle recheck."""
 PARENT_POLL_S = 1.0
 """How often an engine process checks that its parent still lives."""
 SHUTDOWN_GRACE_S = 10.0
 """How long an orphaned engine process has to shut down on SIGTERM before it exits outright."""
 
 
-def plugin_env(nice: int, busy_poll_s: float, recheck_ms: int) -> dict[str, str]:
+def plugin_env(nice: int, busy_poll_s: float, recheck_ms: int, idle_recheck_ms: int = 0) -> dict[str, str]:
     """The variables this plugin reads, for a CPU engine's environment."""
-    return {ENGINE_NICE_ENV: str(nice), SHM_BUSY_POLL_ENV: str(busy_poll_s), SHM_RECHECK_ENV: str(recheck_ms)}
+    return {ENGINE_NICE_ENV: str(nice), SHM_BUSY_POLL_ENV: str(busy_poll_s), SHM_RECHECK_ENV: str(recheck_ms),
+            SHM_IDLE_RECHECK_ENV: str(max(idle_recheck_ms, recheck_ms))}
 
 
 def register() -> None:
@@ -49,7 +58,8 @@ def register() -> None:
     lower_priority(int(os.environ.get(ENGINE_NICE_ENV) or 0))
     exit_with_parent()
     if (busy_poll_s := os.environ.get(SHM_BUSY_POLL_ENV)) and (recheck_ms := os.environ.get(SHM_RECHECK_ENV)):
-        limit_shared_memory_spin(float(busy_poll_s), int(recheck_ms))
+        limit_shared_memory_spin(float(busy_poll_s), int(recheck_ms),
+                                 int(os.environ.get(SHM_IDLE_RECHECK_ENV) or recheck_ms))
 
 
 def lower_priority(nice: int) -> None:
@@ -72,12 +82,25 @@ def exit_with_parent(poll_s: float = PARENT_POLL_S, grace_s: float = SHUTDOWN_GR
     threading.Thread(target=watch, name="kv-loop-exit-with-parent", daemon=True).start()
 
 
-def limit_shared_memory_spin(busy_poll_s: float, recheck_ms: int) -> None:
+def limit_shared_memory_spin(busy_poll_s: float, recheck_ms: int, idle_recheck_ms: int = 0) -> None:
     """Readers of vLLM's shared-memory queues created from now on spin `busy_poll_s` at most, and
-    every blocked reader rechecks its queue every `recheck_ms`."""
+    every blocked reader rechecks its queue every `recheck_ms`, or, idle, up to `idle_recheck_ms`."""
     from vllm.distributed.device_communicators import shm_broadcast
 
     shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = recheck_ms
+    wait = inspect.unwrap(shm_broadcast.SpinCondition.wait)
+    if idle_recheck_ms > recheck_ms:
+        @functools.wraps(wait)
+        def wait_backing_off(self, timeout_ms: int | None = None) -> None:
+            # vLLM caps each wait at the recheck interval; a shorter timeout is a deadline: kept.
+            if timeout_ms == recheck_ms:
+                idle_ms = (time.monotonic() - self.last_read) * 1e3
+                timeout_ms = int(min(idle_recheck_ms, max(recheck_ms, idle_ms * IDLE_RECHECK_SHARE)))
+            wait(self, timeout_ms)
+
+        shm_broadcast.SpinCondition.wait = wait_backing_off
+    else:
+        shm_broadcast.SpinCondition.wait = wait
     init = inspect.unwrap(shm_broadcast.SpinCondition.__init__)
 
     @functools.wraps(init)

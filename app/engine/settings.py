@@ -60,7 +60,8 @@ def assign_identity(config: AppConfig, role: Role, rank: int, host: str) -> Engi
 
 def engine_plugin_env(config: AppConfig) -> dict[str, str]:
     """What app/engine/process.py reads in a CPU engine's processes (the benchmark's peers get it too)."""
-    return plugin_env(config.engine_nice, config.engine_busy_poll_s, config.engine_queue_recheck_ms)
+    return plugin_env(config.engine_nice, config.engine_busy_poll_s, config.engine_queue_recheck_ms,
+                      config.engine_idle_recheck_ms)
 
 
 def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIdentity) -> dict[str, str]:

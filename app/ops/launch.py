@@ -15,6 +15,11 @@ WORKER_NICENESS_ENV, SERVING_NICENESS = "RAY_worker_niceness", 0
 serving path's Python then yields to the engines' compute only weakly (weights 36 to 15 against
 engine_nice 19), and under load its hops outside the router wait behind prefill's compute and add
 to every later turn's first token; at 0 they run ahead of it (docs/measurements.md)."""
+CONTROL_LOOP_ENV, CONTROL_LOOP_INTERVAL_S = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5"
+"""Serve's controller runs its control loop every 0.1 s by default, and each pass asks the GCS for
+the cluster's nodes and resources, idle or not. Every 0.5 s Serve notices a replica that started,
+died or failed its health check up to 0.4 s later (the health checks stay every
+limits.health_check_period_s); Ray reads it where it starts, like the two above."""
 
 
 def start_local(config: AppConfig, num_cpus: int = 4) -> str:
@@ -40,6 +45,7 @@ def start_serve(num_cpus: int = 4, haproxy: bool = True) -> str:
     # Serve reads these from its environment, which it inherits from the Ray started here. HAProxy's
     # own stats and metrics ports are fixed by default: free ones let another Serve run beside.
     worker_niceness()
+    os.environ.setdefault(CONTROL_LOOP_ENV, CONTROL_LOOP_INTERVAL_S)
     os.environ.update({HAPROXY_ENV: "1" if haproxy else "0",
                        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port("127.0.0.1")),
                        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port("127.0.0.1"))})

@@ -20,8 +20,8 @@ from benchmarks.target import NO_KEY, Target, add_target_args, decisions, resolv
 ROOT = Path(__file__).parents[2]
 SENDS_REQUESTS = ("agent", "eviction_horizon", "faults", "multi_turn", "paired", "prefill_tokens", "reverse_pull",
                   "routing_policies", "sweep")
-IN_PROCESS = ("decision_time",)
-"""Times the router's own code in this process: sends nothing."""
+IN_PROCESS = ("decision_time", "idle_cpu")
+"""Runs in this process and sends nothing: the router's own code timed, or a running app's processes read."""
 TARGET_FLAGS = ("--url", "--model", "--tokenizer", "--api-key")
 
 

@@ -26,7 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "kv-loop.json"
-APP_METRIC_SOURCES = [*sorted((ROOT / "app").glob("*.py")), *sorted((ROOT / "deployments").glob("*.py"))]
+APP_METRIC_SOURCES = [*sorted((ROOT / "app").rglob("*.py")), *sorted((ROOT / "deployments").glob("*.py"))]
 
 # ---- Prometheus names of Ray metrics ------------------------------------------------------------
 RAY_PREFIX = "ray_"

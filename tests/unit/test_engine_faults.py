@@ -308,3 +308,31 @@ def test_decode_counts_every_kept_sequence_while_the_index_does_not_answer():
     replica.config = AppConfig(limits=replace(AppConfig().limits, bookkeeping_timeout_s=0.05))
     asyncio.run(replica._forget_taken())
     assert list(replica.kept) == ["a", "b"]
+
+
+def test_an_idle_decode_checks_what_it_keeps_less_often_and_a_request_wakes_the_check():
+    replica = _decode_replica(["a"], {"a"})
+    limits = replace(replica.config.limits, retained_trim_interval_s=0.01, retained_trim_idle_interval_s=0.5)
+    replica.config, replica.request_arrived = replace(replica.config, limits=limits), asyncio.Event()
+    replica.engine.llm, replica.engine.in_flight = SimpleNamespace(errored=False), 0
+    replica.engine.quiet_since = time.monotonic() - 60  # no request for a minute
+    trims = []
+
+    async def trim() -> None:
+        trims.append(time.monotonic())
+
+    replica._trim = trim
+
+    async def run() -> tuple[int, int]:
+        task = asyncio.ensure_future(replica._trim_forever())
+        await asyncio.sleep(0.2)
+        idle = len(trims)
+        replica.request_arrived.set()  # a request came (and went)
+        replica.engine.quiet_since = time.monotonic()
+        await asyncio.sleep(0.1)
+        task.cancel()
+        return idle, len(trims)
+
+    idle, busy = asyncio.run(run())
+    assert idle == 0, "idle: no check before the idle interval"
+    assert busy >= 3, "a request woke the check, then it ran at the busy interval"

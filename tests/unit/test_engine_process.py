@@ -35,7 +35,8 @@ def test_engine_processes_limit_how_long_their_shared_memory_readers_spin(monkey
 
     from app.engine import process as engine_process
 
-    monkeypatch.setattr(SpinCondition, "__init__", SpinCondition.__init__)  # both restored after the test
+    monkeypatch.setattr(SpinCondition, "__init__", SpinCondition.__init__)  # all restored after the test
+    monkeypatch.setattr(SpinCondition, "wait", SpinCondition.wait)
     monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)
     monkeypatch.setattr(engine_process, "exit_with_parent", lambda: None)
     monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())  # EngineCore, its workers
@@ -47,7 +48,8 @@ def test_engine_processes_limit_how_long_their_shared_memory_readers_spin(monkey
             socket.close(linger=0)
         return reader.busy_loop_s
 
-    for name in (engine_process.SHM_BUSY_POLL_ENV, engine_process.SHM_RECHECK_ENV):
+    for name in (engine_process.SHM_BUSY_POLL_ENV, engine_process.SHM_RECHECK_ENV,
+                 engine_process.SHM_IDLE_RECHECK_ENV):
         monkeypatch.delenv(name, raising=False)
     engine_process.register()
     # vLLM's own, where the engine adapter set nothing
@@ -58,6 +60,31 @@ def test_engine_processes_limit_how_long_their_shared_memory_readers_spin(monkey
     engine_process.register()  # a second registration wraps vLLM's method, not its own wrapper
     assert reader_spin_s() == 0.001 and shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 2
     context.term()
+
+
+def test_an_idle_shared_memory_reader_rechecks_less_often_and_a_deadline_stands(monkeypatch):
+    import time
+
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from app.engine import process as engine_process
+
+    waits = []
+    monkeypatch.setattr(SpinCondition, "wait", lambda self, timeout_ms=None: waits.append(timeout_ms))
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)
+    engine_process.limit_shared_memory_spin(0.001, 2, 20)
+    engine_process.limit_shared_memory_spin(0.001, 2, 20)  # wraps vLLM's method, not its own wrapper
+    reader = SpinCondition.__new__(SpinCondition)
+    now = time.monotonic()
+    for idle_s in (0.0, 0.1, 1.0, 60.0):
+        reader.last_read = now - idle_s
+        reader.wait(timeout_ms=2)
+    reader.wait(timeout_ms=1)  # a deadline closer than the recheck
+    assert waits == [2, 5, 20, 20, 1]
+    engine_process.limit_shared_memory_spin(0.001, 2, 0)  # no idle recheck: vLLM's wait, the fixed recheck
+    reader.wait(timeout_ms=2)
+    assert waits[-1] == 2 and engine_process.plugin_env(0, 0.001, 2)[engine_process.SHM_IDLE_RECHECK_ENV] == "2"
 
 
 ORPHAN_PARENT = """
