@@ -86,6 +86,18 @@ def in_band_status(exc: Exception) -> int:
     return 400 if isinstance(exc, BadRequest) else 504 if isinstance(exc, StageTimeout) else 500
 
 
+def _http(reply: Any) -> Any:
+    """A streamed reply's chunk bodies as the chat API's SSE, ended by [DONE]; anything else as is."""
+    return StreamingResponse(_sse(reply), media_type="text/event-stream") if hasattr(reply, "__anext__") else reply
+
+
+async def _sse(bodies: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    async with aclosing(bodies):  # a client gone mid-reply ends the reply now, releasing its place
+        async for body in bodies:
+            yield sse(body)
+    yield sse("[DONE]")
+
+
 @serve.deployment
 @serve.ingress(api)
 class Frontend:
@@ -332,15 +344,3 @@ class Frontend:
             relay.close()
         if body.include_usage:
             yield shape.usage_chunk(usage(len(start.prompt_token_ids), len(relay.sent), start.cached_tokens))
-
-
-def _http(reply: Any) -> Any:
-    """A streamed reply's chunk bodies as the chat API's SSE, ended by [DONE]; anything else as is."""
-    return StreamingResponse(_sse(reply), media_type="text/event-stream") if hasattr(reply, "__anext__") else reply
-
-
-async def _sse(bodies: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    async with aclosing(bodies):  # a client gone mid-reply ends the reply now, releasing its place
-        async for body in bodies:
-            yield sse(body)
-    yield sse("[DONE]")
