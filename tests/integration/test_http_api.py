@@ -12,8 +12,8 @@ pytestmark = pytest.mark.integration
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x " * 5000}]}, 400, "context length"),
     ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "does not exist"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2, "prompt_logprobs": 1}, 400, "not supported by this "
-     "server: n (one choice per request: a reply is a turn"),
+    ({"messages": [{"role": "user", "content": "x"}], "best_of": 2, "prompt_logprobs": 1}, 400, "not supported by "
+     "this server: best_of (choices are sampled as n turns"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400, "chat_template"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}], },
      400, "image_url are not supported"),
