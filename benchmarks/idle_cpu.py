@@ -30,10 +30,15 @@ def main() -> None:
     roles = roles_of(args.app)
     for n in range(1, args.windows + 1):
         used = window(roles, args.seconds)
-        app = round(sum(used.get(role, 0.0) for role in APP_ROLES), 2)
-        rest = ", ".join(f"{role} {share}" for role, share in used.items() if role not in APP_ROLES)
-        print(f"window {n}: replicas + engines {app} % of a core "
-              f"({', '.join(f'{r} {used.get(r, 0.0)}' for r in APP_ROLES)}); others: {rest}")
+        ours = {role: share for role, share in used.items() if _of_the_app(role)}
+        rest = ", ".join(f"{role} {share}" for role, share in used.items() if role not in ours)
+        print(f"window {n}: replicas + engines {round(sum(ours.values()), 2)} % of a core "
+              f"({', '.join(f'{r} {s}' for r, s in ours.items())}); others: {rest}")
+
+
+def _of_the_app(role: str) -> bool:
+    """A replica of the app, or an engine process one of them started ("engine core (decode replica)")."""
+    return role in APP_ROLES or role.removeprefix("engine core (").removesuffix(")") in APP_ROLES
 
 
 if __name__ == "__main__":
