@@ -35,7 +35,9 @@ HOOKS = [
     # app/engine/process.py: how long a shared-memory queue's reader spins before it blocks.
     ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.__init__", "takes",
      ("self", "is_reader", "context", "notify_address", "busy_loop_s")),
-    ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition", "sets", ("busy_loop_s",)),
+    ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition", "sets", ("busy_loop_s", "last_read")),
+    # ... and how long a blocked reader idle since `last_read` waits before it rechecks.
+    ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.wait", "takes", ("self", "timeout_ms")),
     ("vllm.distributed.device_communicators.shm_broadcast:MessageQueue.ReadTimeoutWithWarnings.timeout_ms", "reads",
      ("SHM_READER_RECHECK_INTERVAL_MS",)),
     # app/engine/nixl_worker.py: the connector worker whose constructor moves the model's thread to another core.
