@@ -29,6 +29,8 @@ class Planner:
                                  expiry_margin_s=config.expiry_margin_s, enabled=config.reverse_pull,
                                  min_local_horizon_s=config.min_local_horizon_s,
                                  max_decode_prefill_tokens=config.max_decode_prefill_tokens)
+        self.policies = {True: self.policy, False: replace(self.policy, enabled=False)}
+        """By whether the turn allows reverse pulls."""
         self.placement = PlacementPolicy(config.placement.itl_weight,
                                          config.placement.kv_high_watermark, config.max_decode_prefill_tokens,
                                          config.placement.prior_pull_share)
@@ -115,7 +117,7 @@ class Planner:
                                                   prefill_ms)
 
     def _policy(self, turn: Turn) -> PullPolicy:
-        return self.policy if turn.reverse_pull else replace(self.policy, enabled=False)
+        return self.policies[turn.reverse_pull]
 
     def _latest(self, turn: Turn, near: RoutingDecision) -> bool:
         """Whether the near cache holds the conversation's previous turn. Under several router

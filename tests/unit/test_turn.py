@@ -8,7 +8,7 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from app.protocol import Membership, SamplingSettings
+from app.protocol import Membership, Role, SamplingSettings
 from app.turn.ledger import TurnState
 from app.turn.seams import EngineGroup, KVIndexClient, PrefillGroup
 from app.turn.spec import Turn
@@ -63,7 +63,7 @@ def test_fakes_and_serve_adapters_implement_the_turn_s_seams():
 
     loop = turn_loop(PREFILLED, DecodeGroup(REPLY))
     assert isinstance(Index(None, Membership()), KVIndexClient) and isinstance(ServeIndex(MagicMock()), KVIndexClient)
-    assert isinstance(loop.groups[next(iter(loop.groups))], PrefillGroup)
+    assert isinstance(loop.groups[Role.PREFILL], PrefillGroup)
     assert isinstance(ServeEngineGroup(MagicMock()), PrefillGroup) and isinstance(DecodeGroup(REPLY), EngineGroup)
     assert isinstance(loop.turn(_turn()), TurnRun)
 
