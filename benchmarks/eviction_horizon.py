@@ -52,7 +52,8 @@ def main() -> None:
     parser.add_argument("--load-tokens", type=int, default=600)
     parser.add_argument("--load-interval-s", type=float, default=0.5)
     args = parser.parse_args()
-    config = load_config({"prefill.num_gpu_blocks_override": str(args.pool_blocks), "max_model_len": "2048"})
+    config = load_config({"prefill.engine_kwargs": f"{{num_gpu_blocks_override: {args.pool_blocks}}}",
+                          "max_model_len": "2048"})
     client, tokenizer, target = open_target(resolve_target(args, config), config)
     stop = threading.Event()
     loader = threading.Thread(target=background_load, daemon=True,

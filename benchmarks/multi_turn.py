@@ -91,7 +91,7 @@ def scenarios(preset: Preset) -> dict[str, Scenario]:
     return {s.name: s for s in (
         Scenario("prefix-off", {"prefill.prefix_caching": "false"},
                  ("vllm", "serve-llm", "disagg", "preserve", "pull", "pull+preserve", "on-decode")),
-        Scenario("small-pool", {"prefill.num_gpu_blocks_override": str(preset.pool_blocks)},
+        Scenario("small-pool", {"prefill.engine_kwargs": f"{{num_gpu_blocks_override: {preset.pool_blocks}}}"},
                  ("disagg", "preserve", "pull", "pull+preserve", "on-decode")),
         Scenario("2-prefill", {"prefill.replicas": "2", "prefill.cpus_per_replica": "0.5",
                                "decode.cpus_per_replica": "0.5"}, POLICIES))}

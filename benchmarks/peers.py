@@ -2,17 +2,18 @@
 settings: one plain vLLM OpenAI server (aggregated, prefix caching on) and Ray Serve LLM's
 `build_pd_openai_app` (the standard prefill/decode flow: no reverse pull)."""
 
+import json
 import os
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import httpx
 
-from app.config import AppConfig, EngineGroupConfig
+from app.config import AppConfig
 from app.engine.nixl_worker import POLL_DELAY_ENV
 from app.engine.ports import free_port
 from app.engine.settings import engine_plugin_env, scheduler_class, scheduling_policy
@@ -34,13 +35,12 @@ def _wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> None:
     raise RuntimeError(f"{url} did not become healthy")
 
 
-def peer_engine_kwargs(config: AppConfig, group: EngineGroupConfig) -> dict:
+def peer_engine_kwargs(config: AppConfig, group: str) -> dict:
     """The engine settings every peer shares with this app's `group` engines, as vLLM's engine arguments."""
-    return {"dtype": config.engine_dtype, "block_size": config.block_size, "max_model_len": config.max_model_len,
-            "enforce_eager": True, "enable_prompt_tokens_details": True,
+    return {**config.engine_kwargs_of(group), "block_size": config.block_size, "max_model_len": config.max_model_len,
+            "enable_prompt_tokens_details": True,
             "stream_interval": config.stream_interval_tokens, "max_num_seqs": config.engine_max_num_seqs,
-            "max_num_batched_tokens": group.max_batched_tokens,
-            "long_prefill_token_threshold": group.long_prefill_tokens, "scheduling_policy": scheduling_policy(config),
+            "scheduling_policy": scheduling_policy(config),
             **({"scheduler_cls": cls} if (cls := scheduler_class(config)) else {}), **peer_parsers(config)}
 
 
@@ -55,12 +55,19 @@ def peer_parsers(config: AppConfig) -> dict:
 def plain_vllm_command(config: AppConfig, port: int) -> list[str]:
     """vLLM's OpenAI server with the peers' engine settings, prefix caching on; its step budget is
     the app's prefill group's (the engine that computes the prompts)."""
-    kwargs = {**peer_engine_kwargs(config, config.prefill), "enable_prefix_caching": True,
+    kwargs = {**peer_engine_kwargs(config, "prefill"), "enable_prefix_caching": True,
               "host": "127.0.0.1", "port": port}
-    flags = [item for key, value in kwargs.items()
-             for item in ([f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)]))]
+    flags = [flag for key, value in kwargs.items() for flag in cli_flag(key, value)]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_path()),
             "--served-model-name", config.model_name, *flags]
+
+
+def cli_flag(key: str, value) -> list[str]:
+    """One engine argument as vLLM's server flags: booleans as --x / --no-x, mappings as JSON."""
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + flag[2:]]
+    return [flag, json.dumps(dict(value)) if isinstance(value, Mapping) else str(value)]
 
 
 @contextmanager
@@ -89,13 +96,12 @@ def serve_llm_pd_args(config: AppConfig) -> dict:
     settings (model, dtype, block size, pools, prefix caching, NIXL over UCX with the same poll
     delay, engine priority), each engine on its own core."""
 
-    def llm_config(group: EngineGroupConfig, core: int) -> dict:
+    def llm_config(name: str, core: int) -> dict:
+        group = getattr(config, name)
         transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
                     "kv_connector_extra_config": {"backends": list(config.nixl_backends)}}
-        engine = {**peer_engine_kwargs(config, group), "enable_prefix_caching": group.prefix_caching,
+        engine = {**peer_engine_kwargs(config, name), "enable_prefix_caching": group.prefix_caching,
                   "kv_transfer_config": transfer, "worker_extension_cls": "app.engine.nixl_worker.NixlWorkerExtension"}
-        if group.num_gpu_blocks_override:
-            engine["num_gpu_blocks_override"] = group.num_gpu_blocks_override
         env = {"VLLM_CPU_KVCACHE_SPACE": str(group.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": str(core),
                POLL_DELAY_ENV: str(config.nixl_poll_delay_us),
                **engine_plugin_env(config)}
@@ -106,7 +112,7 @@ def serve_llm_pd_args(config: AppConfig) -> dict:
                 "deployment_config": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}}}
 
     cores = os.cpu_count() or 1
-    return {"prefill_config": llm_config(config.prefill, 0), "decode_config": llm_config(config.decode, 1 % cores),
+    return {"prefill_config": llm_config("prefill", 0), "decode_config": llm_config("decode", 1 % cores),
             # The engine replicas take the logical CPUs; the ingress is I/O only (as this app's router).
             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}}
 

@@ -134,7 +134,8 @@ class SystemSummary:
 def summarize(rows: list[Row], config: AppConfig) -> str:
     groups = _by_label(rows)
     by_label = {label: SystemSummary.of(group, config.block_size) for label, group in groups.items()}
-    lines = [f"model {config.model_name} ({config.engine_dtype}, {_parameters(config)}), block size "
+    dtype = config.engine_kwargs_of("prefill").get("dtype", "auto")
+    lines = [f"model {config.model_name} ({dtype}, {_parameters(config)}), block size "
              f"{config.block_size}, KV {kv_bytes_per_token(config.model_path())} bytes/token, machine "
              f"{os.cpu_count()} CPU cores, {_memory_gib():.0f} GiB", "",
              "| scenario | system | turn-1 TTFT p50 ms | later TTFT p50 ms | later TTFT p95 ms | ITL p50 ms "

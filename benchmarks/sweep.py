@@ -426,7 +426,8 @@ def main() -> None:
                              "app there (block_size=16 for serve.yaml)")
     parser.add_argument("--peer-set", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                         help="a config value for the peers' engines only, after --set (an engine setting the "
-                             "app's groups have apart, e.g. prefill.max_batched_tokens=2048 for the plain engine)")
+                             "app's groups have apart, e.g. 'prefill.engine_kwargs={max_num_batched_tokens: 2048}' "
+                             "for the plain engine)")
     parser.add_argument("--out", type=Path,
                         default=Path("benchmarks/results") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     add_target_args(parser, url_note=PEERS_ABSENT)

@@ -8,7 +8,15 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from app.config.autoscaling import Autoscaling
-from app.config.engines import TINY_MODEL, Device, EngineGroupConfig, engine_kwargs_problems
+from app.config.engines import (
+    GROUPS,
+    SCHEDULER_ARGS,
+    TINY_MODEL,
+    Device,
+    EngineGroupConfig,
+    device_engine_kwargs,
+    engine_kwargs_problems,
+)
 from app.config.limits import Limits
 from app.config.placement import Placement, ReplicaRuntime
 from app.config.relations import relation_problems
@@ -42,18 +50,15 @@ class AppConfig:
     """Pipeline stages per engine. An engine's ranks (tensor x pipeline) run under its Serve replica,
     on one node: one engine spans one node at most."""
     engine_kwargs: Mapping[Str, Any] = Field(default_factory=dict)
-    """vLLM engine arguments passed through unchanged (quantization, kv_cache_dtype, ...): names are
-    checked against vLLM's EngineArgs when the config loads, values by vLLM when the engine starts.
-    The arguments the app sets itself (APP_ENGINE_ARGS) are refused: set them through its keys."""
+    """vLLM engine arguments for every engine, passed through unchanged (dtype, quantization,
+    kv_cache_dtype, enforce_eager, ...) over the app's defaults for the device; a group's own
+    `engine_kwargs` go over these. Names are checked against vLLM's EngineArgs when the config loads,
+    values by vLLM. The arguments the app sets itself (APP_ENGINE_ARGS) are refused: set its keys."""
     block_size: Count = 32
     """Tokens per KV block (the router hashes the same blocks); on CPU a multiple of 32. Smaller
     blocks reuse more of a shared prefix, for more blocks to track and move."""
     max_model_len: Count = 8192
     """Context length: the longest conversation; longer costs KV pool per sequence."""
-    enforce_eager: Bool = True
-    """Skip graph capture: an engine starts sooner and steps slower (graphs pay off on GPUs)."""
-    dtype: Str = "auto"
-    """Weights and KV dtype; "auto" is float32 for the embedded model, vLLM's choice otherwise."""
     engine_max_num_seqs: Count = 128
     """Sequences one engine runs at once (vLLM's max_num_seqs); every reply streams from decode, so
     this bounds the conversations in flight per decode replica. Larger batches, slower tokens each."""
@@ -177,8 +182,22 @@ class AppConfig:
 
     @model_validator(mode="after")
     def _relations(self) -> "AppConfig":
-        refuse(relation_problems(self) + engine_kwargs_problems(self.engine_kwargs))
+        groups = {name: getattr(self, name).engine_kwargs for name in GROUPS}
+        scheduler = {name: self.scheduler_args(name) for name in GROUPS}
+        refuse(relation_problems(self) + engine_kwargs_problems(self.engine_kwargs, groups, scheduler))
         return self
+
+    def engine_kwargs_of(self, group: str) -> dict[str, Any]:
+        """The vLLM engine arguments a group's engines get beyond the app's own: the device's
+        defaults, then the top-level engine_kwargs, then the group's."""
+        return {**device_engine_kwargs(self.device, self.model, self.engine_max_num_seqs), **self.engine_kwargs,
+                **getattr(self, group).engine_kwargs}
+
+    def scheduler_args(self, group: str) -> dict[str, Any]:
+        """The group's arguments that vLLM's SchedulerConfig checks against each other."""
+        kwargs = self.engine_kwargs_of(group)
+        return {"max_num_seqs": self.engine_max_num_seqs, "max_model_len": self.max_model_len,
+                **{key: kwargs[key] for key in SCHEDULER_ARGS if key in kwargs}}
 
     @property
     def engine_world_size(self) -> int:
@@ -223,10 +242,6 @@ class AppConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
-
-    @property
-    def engine_dtype(self) -> str:
-        return "float32" if self.dtype == "auto" and self.model == TINY_MODEL else self.dtype
 
     def model_path(self) -> Path:
         """The folder engines and the tokenizer load (the embedded model's build folder)."""

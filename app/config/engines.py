@@ -11,9 +11,10 @@ from typing import Any
 
 from pydantic import Field
 
-from app.config.types import Bool, Count, Float, Natural, Share, Str, section
+from app.config.types import Bool, Count, Float, Str, section
 
 TINY_MODEL = "tiny-qwen3"
+GROUPS = ("prefill", "decode")
 
 
 class Device(str, enum.Enum):
@@ -36,40 +37,70 @@ class EngineGroupConfig:
     prefill does not compute is a pull."""
     kv_cache_gib: Count = 1
     """CPU only: the KV pool in GiB (VLLM_CPU_KVCACHE_SPACE): more holds more conversations' KV, in RAM."""
-    gpu_memory_utilization: Share = 0.9
-    """GPU only: vLLM's share of GPU memory; what is left after the weights is the KV pool."""
-    num_gpu_blocks_override: Natural = 0
-    """Force the KV pool to this many blocks (0: vLLM sizes it); a small pool creates cache loss."""
-    max_batched_tokens: Count = 512
-    """Tokens one engine step computes at most (vLLM's max_num_batched_tokens); longer prompts are
-    chunked. Every request in the engine waits for the step in flight, so lower shortens each
-    stream's next token and a short append's first, and stretches a long prompt over more steps."""
-    long_prefill_tokens: Natural = 0
-    """The most tokens of one prompt a step takes while other requests wait or run (vLLM's
-    long_prefill_token_threshold; 0: no cap). A cap lets an append start beside a long prompt's
-    chunk, and gives each step's budget to fewer tokens of that prompt."""
+    engine_kwargs: Mapping[Str, Any] = Field(default_factory=dict)
+    """vLLM engine arguments for this group's engines only, over the top-level `engine_kwargs`
+    (e.g. {"max_num_batched_tokens": 8192} on prefill, {"gpu_memory_utilization": 0.85})."""
 
 
 APP_ENGINE_ARGS = frozenset({
-    "model", "tokenizer", "served_model_name", "dtype", "block_size", "max_model_len", "enforce_eager",
+    "model", "tokenizer", "served_model_name", "block_size", "max_model_len",
     "enable_prefix_caching", "prefix_caching_hash_algo", "tensor_parallel_size", "pipeline_parallel_size",
-    "distributed_executor_backend", "gpu_memory_utilization", "num_gpu_blocks_override", "stream_interval",
-    "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "scheduling_policy",
+    "distributed_executor_backend", "stream_interval", "max_num_seqs", "scheduling_policy",
     "scheduler_cls", "kv_transfer_config", "worker_extension_cls", "kv_events_config", "disable_log_stats",
     "reasoning_parser", "max_logprobs"})
 """The vLLM engine arguments the app's engine settings set from the app's own keys (a test keeps them
 equal); `engine_kwargs` refuses them."""
 
 
-def engine_kwargs_problems(engine_kwargs: Mapping[str, Any]) -> list[str]:
-    """Names in `engine_kwargs` that vLLM's EngineArgs lacks or that the app sets itself. vLLM is
-    imported only when there are any: the default config loads without it."""
-    if not engine_kwargs:
+SCHEDULER_ARGS = ("max_num_batched_tokens", "long_prefill_token_threshold", "enable_chunked_prefill",
+                  "max_num_partial_prefills", "max_long_partial_prefills")
+"""Engine arguments that vLLM's SchedulerConfig checks against max_num_seqs and max_model_len."""
+
+SAME_IN_EVERY_GROUP = frozenset({"dtype", "kv_cache_dtype", "quantization", "revision", "hf_overrides"})
+"""Engine arguments that shape the KV's bytes: a pull copies blocks between the groups as they are, so
+these are set once, in the top-level `engine_kwargs`."""
+
+
+def device_engine_kwargs(device: Device, model: str, max_num_seqs: int) -> dict[str, Any]:
+    """The engine arguments the app defaults on this machine kind, under every `engine_kwargs`.
+    On CPU: no graph capture, and a step of 512 tokens (a quarter of vLLM's CPU default), so that a
+    step in flight delays every stream's next token less; at least max_num_seqs, as vLLM requires.
+    The embedded model runs in float32, which vLLM's "auto" would narrow. On cuda: vLLM's own."""
+    if device != Device.CPU:
+        return {}
+    return {"enforce_eager": True, "max_num_batched_tokens": max(512, max_num_seqs),
+            **({"dtype": "float32"} if model == TINY_MODEL else {})}
+
+
+def engine_kwargs_problems(top: Mapping[str, Any], groups: Mapping[str, Mapping[str, Any]],
+                           scheduler: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """What vLLM's own code refuses in the engine arguments the config names: names its EngineArgs
+    lacks, names the app sets itself, and each group's scheduler arguments (`scheduler`, merged)
+    as vLLM's SchedulerConfig checks them. vLLM is imported only when the config names any: the
+    defaults load without it and satisfy vLLM by construction."""
+    if not top and not any(groups.values()):
         return []
     from vllm.engine.arg_utils import EngineArgs
 
     known = {f.name for f in dataclasses.fields(EngineArgs)}
-    unknown = sorted(set(engine_kwargs) - known)
-    owned = sorted(set(engine_kwargs) & APP_ENGINE_ARGS)
-    return ([f"engine_kwargs: vLLM's EngineArgs has no {unknown}"] if unknown else []) + (
-        [f"engine_kwargs: {owned} are set by the app from its own keys (docs/configuration.md)"] if owned else [])
+    problems = []
+    for where, kwargs in {"engine_kwargs": top, **{f"{g}.engine_kwargs": k for g, k in groups.items()}}.items():
+        unknown, owned = sorted(set(kwargs) - known), sorted(set(kwargs) & APP_ENGINE_ARGS)
+        shared = sorted(set(kwargs) & SAME_IN_EVERY_GROUP) if where != "engine_kwargs" else []
+        problems += [f"{where}: vLLM's EngineArgs has no {unknown}"] if unknown else []
+        problems += [f"{where}: {owned} are set by the app from its own keys (docs/configuration.md)"] if owned else []
+        problems += [f"{where}: {shared} shape the KV that pulls copy between groups: set them in the "
+                     f"top-level engine_kwargs"] if shared else []
+    return problems + [f"{group}: {problem}" for group, args in scheduler.items()
+                       if (problem := _scheduler_problem(args))]
+
+
+def _scheduler_problem(args: Mapping[str, Any]) -> str:
+    from pydantic import ValidationError
+    from vllm.config import SchedulerConfig
+
+    try:
+        SchedulerConfig(**args, is_encoder_decoder=False)
+    except ValidationError as error:
+        return "vLLM's SchedulerConfig: " + "; ".join(e["msg"].removeprefix("Value error, ") for e in error.errors())
+    return ""

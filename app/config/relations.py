@@ -11,9 +11,6 @@ from app.config.engines import Device
 if TYPE_CHECKING:
     from app.config.app_config import AppConfig
 
-GROUPS = ("prefill", "decode")
-
-
 def relation_problems(config: "AppConfig") -> list[str]:
     return [message for message, holds in {**_engines(config), **_reuse(config), **_admission(config),
                                            **_autoscaling(config)}.items() if not holds]
@@ -28,15 +25,6 @@ def _engines(c: "AppConfig") -> dict[str, bool]:
         "engine_idle_recheck_ms must be >= engine_queue_recheck_ms":
             c.engine_idle_recheck_ms >= c.engine_queue_recheck_ms,
     }
-    for name in GROUPS:
-        group = getattr(c, name)
-        checks[f"{name}.long_prefill_tokens must be <= {name}.max_batched_tokens"] = (
-            group.long_prefill_tokens <= group.max_batched_tokens)
-        checks[f"{name}.max_batched_tokens must be >= engine_max_num_seqs (vLLM's own check)"] = (
-            group.max_batched_tokens >= c.engine_max_num_seqs)
-        # vLLM keeps one block of the pool as its null block.
-        checks[f"{name}.num_gpu_blocks_override must hold max_model_len tokens plus one block"] = (
-            group.num_gpu_blocks_override == 0 or group.num_gpu_blocks_override * c.block_size > c.max_model_len)
     return checks
 
 

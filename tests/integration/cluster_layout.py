@@ -47,8 +47,8 @@ def machine_args(model_cache_dir: str) -> dict[str, Any]:
     in the integration conftest), so every history token prefill does not compute is a pull.
     A CPU engine's batch, streams and probe (vLLM's CPU default of 128 sequences, one router).
     Everything else, bundle_resources included, stays as serve.yaml has it."""
-    return {"model": "tiny-qwen3", "model_cache_dir": model_cache_dir, "device": "cpu", "dtype": "auto",
-            "tensor_parallel_size": 1, "block_size": 32, "max_model_len": 4096, "enforce_eager": True,
+    return {"model": "tiny-qwen3", "model_cache_dir": model_cache_dir, "device": "cpu", "engine_kwargs": {},
+            "tensor_parallel_size": 1, "block_size": 32, "max_model_len": 4096,
             "nixl_backends": ["UCX"], "engine_max_num_seqs": 128, "router_replicas": 1,
             "placement": {"probe_tokens": 256},
             "prefill": {"cpus_per_replica": 1, "prefix_caching": False},

@@ -100,7 +100,8 @@ def test_a_client_that_leaves_mid_stream_frees_decode_s_blocks(base_url, app_con
 @pytest.fixture(scope="module")
 def two_routers_small_decode_pool(app_config, base_url):
     """The app again with two router replicas and a decode pool of 200 blocks (6,400 tokens)."""
-    config = replace(app_config, router_replicas=2, decode=replace(app_config.decode, num_gpu_blocks_override=200))
+    small_pool = replace(app_config.decode, engine_kwargs={"num_gpu_blocks_override": 200})
+    config = replace(app_config, router_replicas=2, decode=small_pool)
     replace_app(config)
     faults.wait_whole(base_url)
     return config

@@ -20,7 +20,7 @@ def test_a_later_turn_starts_before_a_running_first_turns_remaining_chunks(tmp_p
     # arrives among them (sent 0.3 s in, it came after the whole prompt once the engine computed
     # 47 steps of 64 tokens in 0.2 s).
     config = load_config({"model_cache_dir": str(tmp_path), "max_model_len": "4096",
-                          "prefill.max_batched_tokens": "48", "engine_max_num_seqs": "8"})
+                          "prefill.engine_kwargs": "{max_num_batched_tokens: 48}", "engine_max_num_seqs": "8"})
     assert config.later_turns_first and config.later_turns_before_chunks
     ensure_tiny_model(config.model_path())
     with plain_vllm(config) as url:

@@ -10,7 +10,8 @@ from app.config import AppConfig, Device, Limits, load_config
 def test_defaults_run_the_tiny_model_on_cpu():
     config = AppConfig()
     assert config.device == Device.CPU and config.model_name == "tiny-qwen3"
-    assert config.engine_dtype == "float32"
+    assert config.engine_kwargs_of("prefill") == {"enforce_eager": True, "max_num_batched_tokens": 512,
+                                                  "dtype": "float32"}
     assert config.prefill.replicas == 1 and config.decode.replicas == 1
     assert load_config() == config == load_config({})
 
@@ -119,9 +120,11 @@ def test_a_config_file_that_is_not_a_mapping_is_refused(tmp_path):
     ({"retention_ttl_s": "1", "expiry_margin_s": "5"}, "retention_ttl_s must exceed expiry_margin_s"),
     ({"tool_pause_s": "200"}, "tool_pause_s must be <= retention_ttl_s"),
     ({"prefill.replicas": "0"}, "prefill.replicas must be >= 1, got 0"),
-    ({"max_model_len": "4096", "prefill.num_gpu_blocks_override": "128"},
-     "prefill.num_gpu_blocks_override must hold max_model_len tokens plus one block"),
-    ({"decode.long_prefill_tokens": "1024"}, "decode.long_prefill_tokens must be <= decode.max_batched_tokens"),
+    ({"decode.engine_kwargs": "{long_prefill_token_threshold: 9000}"},
+     r"decode: vLLM's SchedulerConfig: long_prefill_token_threshold \(9000\) cannot be greater"),
+    ({"engine_max_num_seqs": "256", "prefill.engine_kwargs": "{max_num_batched_tokens: 128}"},
+     r"prefill: vLLM's SchedulerConfig: max_num_batched_tokens \(128\) must be greater than or equal"),
+    ({"decode.engine_kwargs": "{kv_cache_dtype: fp8}"}, "decode.engine_kwargs: \\['kv_cache_dtype'\\] shape the KV"),
     ({"placement.probe_tokens": "16"}, "placement.probe_tokens must be >= 32"),
     ({"engine_nice": "20"}, "engine_nice must be <= 19"),
     ({"nixl_backends": ""}, "nixl_backends must have at least 1"),
@@ -149,7 +152,7 @@ def test_limits_that_follow_from_others_are_derived_or_checked_against_them():
     with pytest.raises(ValueError, match="index_wait_at_start_s must be >= bookkeeping_timeout_s"):
         load_config({"limits.index_wait_at_start_s": "1"})
     with pytest.raises(ValueError, match="limits.engine_max_ongoing_requests must be >= engine_max_num_seqs"):
-        load_config({"engine_max_num_seqs": "256", "decode.max_batched_tokens": "512"})
+        load_config({"engine_max_num_seqs": "256"})
 
 
 def test_decode_heartbeats_come_well_inside_prefill_s_lease_extension():

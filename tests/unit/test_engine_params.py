@@ -55,8 +55,9 @@ def test_the_engine_scheduler_limits_come_from_the_config_and_the_peers_get_the_
     from benchmarks.peers import plain_vllm_command, serve_llm_pd_args
 
     config = AppConfig(engine_max_num_seqs=96, later_turns_first=False,
-                       prefill=EngineGroupConfig(max_batched_tokens=1024, long_prefill_tokens=0),
-                       decode=EngineGroupConfig(max_batched_tokens=256, long_prefill_tokens=128))
+                       prefill=EngineGroupConfig(engine_kwargs={"max_num_batched_tokens": 1024}),
+                       decode=EngineGroupConfig(engine_kwargs={"max_num_batched_tokens": 256,
+                                                               "long_prefill_token_threshold": 128}))
     args = engine_args(config, config.decode, assign_identity(config, Role.DECODE, 0, "127.0.0.1"))
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.long_prefill_token_threshold,
             args.scheduling_policy) == (96, 256, 128, "fcfs")
@@ -65,12 +66,13 @@ def test_the_engine_scheduler_limits_come_from_the_config_and_the_peers_get_the_
     peer = serve_llm_pd_args(config)
     for group, step_tokens, prompt_tokens in (("prefill_config", 1024, 0), ("decode_config", 256, 128)):
         kwargs = peer[group]["engine_kwargs"]
-        assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"], kwargs["long_prefill_token_threshold"],
-                kwargs["scheduling_policy"]) == (96, step_tokens, prompt_tokens, "fcfs")
-    command = " ".join(plain_vllm_command(config, 8000))
-    assert ("--max-num-seqs 96 --max-num-batched-tokens 1024 --long-prefill-token-threshold 0 "
-            "--scheduling-policy fcfs") in command
-    assert "--enforce-eager --enable-prompt-tokens-details" in command and "--enable-prefix-caching" in command
+        assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"], kwargs.get("long_prefill_token_threshold", 0),
+                kwargs["scheduling_policy"], kwargs["enforce_eager"]) == (96, step_tokens, prompt_tokens, "fcfs", True)
+    command = plain_vllm_command(config, 8000)
+    flags = {command[i]: command[i + 1] for i in range(len(command) - 1) if command[i].startswith("--")}
+    assert (flags["--max-num-seqs"], flags["--max-num-batched-tokens"], flags["--scheduling-policy"],
+            flags["--dtype"]) == ("96", "1024", "fcfs", "float32")
+    assert {"--enforce-eager", "--enable-prompt-tokens-details", "--enable-prefix-caching"} <= set(command)
     assert args.scheduler_cls is None and "--scheduler-cls" not in command, "FCFS: vLLM's own scheduler"
 
 

@@ -62,6 +62,11 @@ def test_engine_kwargs_pass_through_to_vllm_and_are_checked_against_its_engine_a
         load_config({"engine_kwargs": '{"kv_cache_dtpye": "fp8"}'})
     with pytest.raises(ValueError, match=r"\['max_num_seqs'\] are set by the app"):
         load_config({"engine_kwargs": '{"max_num_seqs": 8}'})
+    group = load_config({"engine_kwargs": "{enforce_eager: false, max_num_batched_tokens: 1024}",
+                         "decode.engine_kwargs": "{max_num_batched_tokens: 256}"})
+    decode = _args(group, Role.DECODE)
+    assert (decode.enforce_eager, decode.max_num_batched_tokens) == (False, 256), "the group's go over the top level"
+    assert _args(group).max_num_batched_tokens == 1024
 
 
 def test_the_arguments_the_app_owns_are_exactly_those_engine_args_sets():
@@ -71,7 +76,9 @@ def test_the_arguments_the_app_owns_are_exactly_those_engine_args_sets():
     args = _args(AppConfig())
     set_by_app = {f.name for f in fields(AsyncEngineArgs) if getattr(args, f.name) != getattr(defaults, f.name)}
     # Those that happen to equal vLLM's default are still set by the app: the listed set may be larger.
-    assert set_by_app <= APP_ENGINE_ARGS, set_by_app - APP_ENGINE_ARGS
+    # The device's defaults are pass-through engine_kwargs, which a config may override.
+    assert set_by_app - set(AppConfig().engine_kwargs_of("decode")) <= APP_ENGINE_ARGS, set_by_app - APP_ENGINE_ARGS
+    assert not APP_ENGINE_ARGS & set(AppConfig().engine_kwargs_of("decode"))
     for name in APP_ENGINE_ARGS:
         assert name in {f.name for f in fields(AsyncEngineArgs)}, name
 
