@@ -39,7 +39,7 @@ def peer_engine_kwargs(config: AppConfig, group: str) -> dict:
     """The engine settings every peer shares with this app's `group` engines, as vLLM's engine arguments."""
     return {**config.engine_kwargs_of(group), "block_size": config.block_size, "max_model_len": config.max_model_len,
             "enable_prompt_tokens_details": True,
-            "stream_interval": config.stream_interval_tokens, "max_num_seqs": config.engine_max_num_seqs,
+            "max_num_seqs": config.engine_max_num_seqs,
             "scheduling_policy": scheduling_policy(config),
             **({"scheduler_cls": cls} if (cls := scheduler_class(config)) else {}), **peer_parsers(config)}
 

@@ -14,7 +14,7 @@ from app.config.engines import (
     TINY_MODEL,
     Device,
     EngineGroupConfig,
-    device_engine_kwargs,
+    default_engine_kwargs,
     engine_kwargs_problems,
 )
 from app.config.limits import Limits
@@ -62,9 +62,6 @@ class AppConfig:
     engine_max_num_seqs: Count = 128
     """Sequences one engine runs at once (vLLM's max_num_seqs); every reply streams from decode, so
     this bounds the conversations in flight per decode replica. Larger batches, slower tokens each."""
-    stream_interval_tokens: Count = 4
-    """Decode streams its first token at once, then every this many tokens (vLLM's stream_interval):
-    each chunk is two Serve hops, so higher saves CPU and makes the stream burstier."""
     prefill: EngineGroupConfig = Field(default_factory=EngineGroupConfig)
     decode: EngineGroupConfig = Field(default_factory=EngineGroupConfig)
     router_replicas: Count = 1
@@ -190,7 +187,7 @@ class AppConfig:
     def engine_kwargs_of(self, group: str) -> dict[str, Any]:
         """The vLLM engine arguments a group's engines get beyond the app's own: the device's
         defaults, then the top-level engine_kwargs, then the group's."""
-        return {**device_engine_kwargs(self.device, self.model, self.engine_max_num_seqs), **self.engine_kwargs,
+        return {**default_engine_kwargs(self.device, self.model, self.engine_max_num_seqs), **self.engine_kwargs,
                 **getattr(self, group).engine_kwargs}
 
     def scheduler_args(self, group: str) -> dict[str, Any]:

@@ -113,7 +113,7 @@ def engine_args(config: AppConfig, group: EngineGroupConfig, identity: EngineIde
         prefix_caching_hash_algo=config.prefix_hash_algo,
         tensor_parallel_size=config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size,
         distributed_executor_backend=config.executor_backend,
-        stream_interval=config.stream_interval_tokens, max_num_seqs=config.engine_max_num_seqs,
+        max_num_seqs=config.engine_max_num_seqs,
         scheduling_policy=scheduling_policy(config), scheduler_cls=scheduler_class(config),
         kv_transfer_config=transfer,
         worker_extension_cls="app.engine.nixl_worker.NixlWorkerExtension" if config.tunes_shared_cpu else "",

@@ -10,8 +10,8 @@ from app.config import AppConfig, Device, Limits, load_config
 def test_defaults_run_the_tiny_model_on_cpu():
     config = AppConfig()
     assert config.device == Device.CPU and config.model_name == "tiny-qwen3"
-    assert config.engine_kwargs_of("prefill") == {"enforce_eager": True, "max_num_batched_tokens": 512,
-                                                  "dtype": "float32"}
+    assert config.engine_kwargs_of("prefill") == {"stream_interval": 4, "enforce_eager": True,
+                                                  "max_num_batched_tokens": 512, "dtype": "float32"}
     assert config.prefill.replicas == 1 and config.decode.replicas == 1
     assert load_config() == config == load_config({})
 
