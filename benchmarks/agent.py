@@ -41,7 +41,8 @@ from app.turn.spec import turn_priority
 from benchmarks import history
 from benchmarks.multi_turn import app_decisions, key_value, warm_up
 from benchmarks.report import Row, percentile
-from benchmarks.sweep import APP_EXTRA, Conversation, LevelSummary, converse, rows_for
+from benchmarks.sweep import Conversation, converse, rows_for
+from benchmarks.sweep_summary import APP_EXTRA, LevelSummary
 from benchmarks.target import NO_KEY, PEERS_ARE_LOCAL, Target, add_target_args, resolve_target
 from benchmarks.workload import load_tokenizer, openai_client, text_of_tokens
 

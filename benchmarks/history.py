@@ -143,12 +143,12 @@ LEVEL_METRICS = (("first_p50", "first_ttft_p50", 1e3, "ms"), ("later_p50", "late
                  ("requests_per_s", "requests_per_s", 1, "1/s"), ("tokens_per_s", "tokens_per_s", 1, "tokens/s"),
                  ("one_burst", "one_burst", 1, "share"), ("later_hits", "later_hits", 1, "share"),
                  ("prefilled_over_ideal", "prefilled_over_ideal", 1, "x"), ("failed", "failed", 1, "count"))
-"""benchmarks.sweep.LevelSummary's fields: (attribute, metric, scale, unit)."""
+"""benchmarks.sweep_summary.LevelSummary's fields: (attribute, metric, scale, unit)."""
 
 
 def _levels(rows: list, block_size: int) -> dict[tuple[str, int], tuple[object, int]]:
     """(system, level) -> (LevelSummary, repeats), as benchmarks.sweep summarises them."""
-    from benchmarks.sweep import LevelSummary
+    from benchmarks.sweep_summary import LevelSummary
 
     groups: dict[tuple[str, int], list] = {}
     for row in rows:
@@ -173,7 +173,7 @@ def _ratio(table: dict, level: int, peer: str, name: str, metric: str, scenario:
 def sweep_rows(rows: list, block_size: int) -> list[dict[str, object]]:
     """benchmarks.sweep's summary: each system at each level, and the app over each peer on issue
     14's targets and over Ray Serve LLM's later-turn p50."""
-    from benchmarks.sweep import TARGETS
+    from benchmarks.sweep_summary import TARGETS
 
     table = _levels(rows, block_size)
     metrics = {name: metric for name, metric, _, _ in LEVEL_METRICS}

@@ -142,7 +142,7 @@ def test_the_sweep_with_a_url_refuses_the_peers_and_says_why(monkeypatch, capsys
 
 
 def test_the_sweep_summary_of_the_app_alone_computes_no_ratio():
-    from benchmarks.sweep import summarize
+    from benchmarks.sweep_summary import summarize
 
     rows = [Row("c2", "app", 0, turn, started_s, 1000 + 100 * turn, 32, 0, 1000, 0.1, 0.01, 1.0, "", 0, 0, 0.0, 0.0,
                 0.0, concurrency=2) for turn, started_s in ((1, 0.0), (2, 4.0))]

@@ -4,7 +4,7 @@ import pytest
 
 from app.config import AppConfig
 from benchmarks.report import Row, ideal_tokens
-from benchmarks.sweep import CpuUse, LevelSummary, machine_lines
+from benchmarks.sweep_summary import CpuUse, LevelSummary, machine_lines
 
 
 def row(system: str, repeat: int, conversation: int, turn: int, started_s: float, ttft_s: float,
