@@ -91,12 +91,15 @@ class EngineReplica:
     async def _heartbeat_forever(self) -> None:
         """Renew the registration while the engine lives; a dead engine falls out of the index within
         its registration TTL (and the router routes around it sooner, from the failed call)."""
-        limits = self.config.limits
+        limits, sent, sent_at = self.config.limits, None, 0.0
         while not self.engine.llm.errored:
-            try:
-                await asyncio.wait_for(self.index.register.remote(self.beat()), limits.bookkeeping_timeout_s)
-            except Exception as exc:  # noqa: BLE001 - the index is restarting: the next beat re-registers
-                logger.warning("heartbeat to the KV index failed: %s", type(exc).__name__)
+            beat = self.beat()
+            if beat != sent or time.monotonic() - sent_at >= limits.quiet_poll_interval_s:
+                try:
+                    await asyncio.wait_for(self.index.register.remote(beat), limits.bookkeeping_timeout_s)
+                    sent, sent_at = beat, time.monotonic()
+                except Exception as exc:  # noqa: BLE001 - the index is restarting: the next beat re-registers
+                    logger.warning("heartbeat to the KV index failed: %s", type(exc).__name__)
             await asyncio.sleep(limits.heartbeat_interval_s)
         logger.error("engine of replica %s is dead: heartbeats stopped, health checks fail", self.replica_id)
 

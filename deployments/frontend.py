@@ -36,6 +36,7 @@ from app.conversations.request_check import vllm_responses_defaults
 from app.conversations.responses import ResponsesRequest, ResponseStream
 from app.conversations.tenants import KeyRing, Unauthorized, open_api_refusal
 from app.protocol import ClientRequest
+from app.turn.membership import QuietPoll
 from app.turn.relay import Admission, NoRouterAlive, Relay
 from app.turn.reply import EngineRefused, NoEngineAlive, StageTimeout
 from app.turn.routing import NoPrefillReplica
@@ -128,9 +129,10 @@ class Frontend:
     async def _follow_health(self) -> None:
         """The router's view of live engines, asked once a heartbeat, so that /health answers from
         here at once and never waits behind streams for a router slot."""
+        poll = QuietPoll.of(self.limits)
         while True:
             await self._refresh_health()
-            await asyncio.sleep(self.limits.heartbeat_interval_s)
+            await asyncio.sleep(poll.wait_after(self.health_body))
 
     async def _refresh_health(self) -> None:
         try:

@@ -35,11 +35,9 @@ class EngineGroupConfig:
     prefix_caching: Bool = True
     """vLLM's prefix caching (the KV index reads it): off emulates cache loss, so every history token
     prefill does not compute is a pull."""
-    kv_cache_gib: Count = 1
-    """CPU only: the KV pool in GiB (VLLM_CPU_KVCACHE_SPACE): more holds more conversations' KV, in RAM."""
     engine_kwargs: Mapping[Str, Any] = Field(default_factory=dict)
     """vLLM engine arguments for this group's engines only, over the top-level `engine_kwargs`
-    (e.g. {"max_num_batched_tokens": 8192} on prefill, {"gpu_memory_utilization": 0.85})."""
+    (e.g. {"max_num_batched_tokens": 8192} on prefill, {"kv_cache_memory_bytes": 4294967296})."""
 
 
 APP_ENGINE_ARGS = frozenset({
@@ -63,14 +61,14 @@ these are set once, in the top-level `engine_kwargs`."""
 
 def default_engine_kwargs(device: Device, model: str, max_num_seqs: int) -> dict[str, Any]:
     """The engine arguments the app defaults, under every `engine_kwargs`. Decode streams its first
-    token at once, then every 4 (stream_interval): each chunk is two Serve hops. On CPU: no graph
-    capture, and a step of 512 tokens (a quarter of vLLM's CPU default), so that a step in flight
-    delays every stream's next token less; at least max_num_seqs, as vLLM requires. The embedded
-    model runs in float32, which vLLM's "auto" would narrow."""
+    token at once, then every 4 (stream_interval): each chunk is two Serve hops. On CPU: a KV pool of
+    1 GiB of RAM per engine, no graph capture, and a step of 512 tokens (a quarter of vLLM's CPU
+    default), so that a step in flight delays every stream's next token less; at least max_num_seqs,
+    as vLLM requires. The embedded model runs in float32, which vLLM's "auto" would narrow."""
     if device != Device.CPU:
         return {"stream_interval": 4}
-    return {"stream_interval": 4, "enforce_eager": True, "max_num_batched_tokens": max(512, max_num_seqs),
-            **({"dtype": "float32"} if model == TINY_MODEL else {})}
+    return {"stream_interval": 4, "kv_cache_memory_bytes": 1 << 30, "enforce_eager": True,
+            "max_num_batched_tokens": max(512, max_num_seqs), **({"dtype": "float32"} if model == TINY_MODEL else {})}
 
 
 def engine_kwargs_problems(top: Mapping[str, Any], groups: Mapping[str, Mapping[str, Any]],

@@ -79,8 +79,9 @@ class Limits:
     (its own oldest go first). Lower protects the other tenants, and caps a lone busy one."""
     # ---- liveness: how soon a dead part is noticed ----
     heartbeat_interval_s: Seconds = 1.0
-    """How often each engine replica renews its registration in the KV index (and the router and
-    frontend re-read it): lower notices changes sooner, for more calls to the index."""
+    """How often each engine replica renews its registration in the KV index when its load changed
+    (and the router and frontend re-read it while the answers change; an unchanged load and repeating
+    answers wait quiet_poll_interval_s): lower notices changes sooner, for more calls to the index."""
     registration_ttl_s: Seconds = 5.0
     """A registration not renewed for this long is dropped (the engine is dead or gone). At least
     twice heartbeat_interval_s: lower drops dead engines sooner, and live ones that miss a beat."""
@@ -142,6 +143,13 @@ class Limits:
         """How often the KV index drops expired registrations and entries: a registration's own
         granularity, so a dead engine leaves within registration_ttl_s plus one heartbeat."""
         return self.heartbeat_interval_s
+
+    @property
+    def quiet_poll_interval_s(self) -> float:
+        """How often a repeating answer is asked for again, and an unchanged heartbeat renewed: an
+        idle app's loads and health repeat. A third of registration_ttl_s, so that a registration
+        survives one lost renewal; never more often than a heartbeat."""
+        return max(self.heartbeat_interval_s, self.registration_ttl_s / 3)
 
     @model_validator(mode="after")
     def _relations(self) -> "Limits":

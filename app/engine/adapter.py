@@ -138,7 +138,7 @@ class Engine:
 
         group = config.prefill if role == Role.PREFILL else config.decode
         self.identity = assign_identity(config, role, rank, host)
-        os.environ.update(engine_env(config, group, self.identity))
+        os.environ.update(engine_env(config, self.identity))
         self.endpoint = EngineEndpoint(engine_id=self.identity.engine_id, host=host,
                                        port=self.identity.port, tp_size=config.tensor_parallel_size)
         self.tracker = LoadTracker(kv_bytes_per_token(config.model_path()), config.placement.probe_window,

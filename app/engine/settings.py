@@ -64,15 +64,13 @@ def engine_plugin_env(config: AppConfig) -> dict[str, str]:
                       config.engine_idle_recheck_ms)
 
 
-def engine_env(config: AppConfig, group: EngineGroupConfig, identity: EngineIdentity) -> dict[str, str]:
+def engine_env(config: AppConfig, identity: EngineIdentity) -> dict[str, str]:
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": identity.host,
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(identity.port),
            # vLLM derives its root block hash from this; the router hashes with the same seed.
            "PYTHONHASHSEED": str(config.prefix_hash_seed),
            # Full block hashes in KV events, so they equal the router's (not their low 64 bits).
            "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}
-    if config.device == Device.CPU:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(group.kv_cache_gib)
     if config.tunes_shared_cpu:
         env.update({POLL_DELAY_ENV: str(config.nixl_poll_delay_us), IDLE_POLL_ENV: str(config.engine_idle_poll_s),
                     **engine_plugin_env(config)})

@@ -1,7 +1,6 @@
 """The oracle: one plain vLLM engine, aggregated, prefix caching on, greedy. A conversation served
 through the disaggregated pipeline must produce its token ids (tests, benchmarks.faults)."""
 
-import os
 from typing import Any
 
 import ray
@@ -12,7 +11,6 @@ from app.config.engines import SCHEDULER_ARGS
 @ray.remote(num_cpus=0)
 class ReferenceEngine:
     def __init__(self, model_path: str, engine_kwargs: dict[str, Any]) -> None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
         from vllm import LLM
 
         self.llm = LLM(model=model_path, **engine_kwargs, enable_prefix_caching=True)

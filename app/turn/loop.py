@@ -20,10 +20,10 @@ from typing import Any
 from app.config import AppConfig
 from app.kv.index import KVIndex
 from app.metrics import TurnMetrics
-from app.protocol import RetainedBlocks, Role, TurnRecords
+from app.protocol import Membership, RetainedBlocks, Role, TurnRecords
 from app.turn.journal import TurnJournal
 from app.turn.ledger import Release, Settlement, TurnState, settle
-from app.turn.membership import LiveEngines
+from app.turn.membership import LiveEngines, QuietPoll
 from app.turn.planner import Planner
 from app.turn.reply import EngineCalls
 from app.turn.seams import EngineGroup, KVIndexClient, PrefillGroup
@@ -72,17 +72,19 @@ class TurnLoop:
     async def follow_membership(self) -> None:
         """Keep the live view of engines current (the index's heartbeats) and hand the turn metrics
         to Ray; runs for the router's life."""
+        poll = QuietPoll.of(self.limits)
         while True:
-            await self.refresh_membership()
+            members = await self.refresh_membership()
             self.metrics.flush()
-            await asyncio.sleep(self.limits.heartbeat_interval_s)
+            await asyncio.sleep(poll.wait_after(members))
 
-    async def refresh_membership(self, timeout_s: float | None = None) -> None:
+    async def refresh_membership(self, timeout_s: float | None = None) -> Membership | None:
         """`timeout_s`: longer than a bookkeeping call's for a new router replica's first ask, whose
         call also resolves where the index runs: a turn planned before the answer finds neither its
         conversation's record nor its retained KV, so it recomputes."""
         if (members := await self.bookkeep(self.index.membership(), "index.membership", timeout_s)) is not None:
             self.engines.update(members)
+        return members
 
     async def live(self) -> tuple[list[str], list[str]]:
         """The live prefill and decode replicas; a group with none is asked about again first (its

@@ -8,8 +8,10 @@ answers until every live engine has renewed with it: engines outlive an index re
 
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
+from app.config.limits import Limits
 from app.protocol import LoadReport, Membership, Role
 
 
@@ -56,3 +58,21 @@ class LiveEngines:
         if preferred in live:
             return preferred
         return min(live, key=lambda r: self.streams[r], default=None)
+
+
+@dataclass
+class QuietPoll:
+    """The wait before asking again for an answer that mostly repeats: `busy_s` after one that
+    changed, `quiet_s` after one that repeated (an idle app's loads and health repeat)."""
+
+    busy_s: float
+    quiet_s: float
+    last: Any = None
+
+    def wait_after(self, answer: Any) -> float:
+        changed, self.last = answer != self.last, answer
+        return self.busy_s if changed else self.quiet_s
+
+    @classmethod
+    def of(cls, limits: Limits) -> "QuietPoll":
+        return cls(limits.heartbeat_interval_s, limits.quiet_poll_interval_s)

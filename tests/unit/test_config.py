@@ -10,8 +10,9 @@ from app.config import AppConfig, Device, Limits, load_config
 def test_defaults_run_the_tiny_model_on_cpu():
     config = AppConfig()
     assert config.device == Device.CPU and config.model_name == "tiny-qwen3"
-    assert config.engine_kwargs_of("prefill") == {"stream_interval": 4, "enforce_eager": True,
-                                                  "max_num_batched_tokens": 512, "dtype": "float32"}
+    assert config.engine_kwargs_of("prefill") == {"stream_interval": 4, "kv_cache_memory_bytes": 1 << 30,
+                                                  "enforce_eager": True, "max_num_batched_tokens": 512,
+                                                  "dtype": "float32"}
     assert config.prefill.replicas == 1 and config.decode.replicas == 1
     assert load_config() == config == load_config({})
 
@@ -147,6 +148,7 @@ def test_limits_that_follow_from_others_are_derived_or_checked_against_them():
     limits = load_config({"limits.router_max_ongoing_requests": "200", "limits.router_max_queued_requests": "20",
                           "limits.heartbeat_interval_s": "2", "limits.registration_ttl_s": "8"}).limits
     assert limits.router_holds == 220 and limits.index_sweep_interval_s == 2
+    assert limits.quiet_poll_interval_s == 8 / 3, "a registration survives one lost renewal"
     with pytest.raises(ValueError, match="suspect_replica_s must be >= registration_ttl_s \\+ heartbeat_interval_s"):
         load_config({"limits.registration_ttl_s": "10"})
     with pytest.raises(ValueError, match="index_wait_at_start_s must be >= bookkeeping_timeout_s"):

@@ -336,3 +336,13 @@ def test_an_idle_decode_checks_what_it_keeps_less_often_and_a_request_wakes_the_
     idle, busy = asyncio.run(run())
     assert idle == 0, "idle: no check before the idle interval"
     assert busy >= 3, "a request woke the check, then it ran at the busy interval"
+
+
+def test_an_idle_app_s_repeating_answers_are_asked_for_less_often():
+    from app.turn.membership import QuietPoll
+
+    limits = AppConfig().limits
+    poll, busy = QuietPoll.of(limits), Membership(prefill=("p",), decode=("d",), loads={"p": LoadReport(1)})
+    assert poll.wait_after(busy) == limits.heartbeat_interval_s, "a first answer is news"
+    assert poll.wait_after(busy) == limits.quiet_poll_interval_s > limits.heartbeat_interval_s
+    assert poll.wait_after(replace(busy, loads={"p": LoadReport(2)})) == limits.heartbeat_interval_s

@@ -37,7 +37,7 @@ def test_kv_events_stay_on_the_node_and_the_nixl_side_channel_binds_the_node_s_a
 
     config = AppConfig()
     identity = assign_identity(config, Role.PREFILL, 0, "127.0.0.1")
-    assert engine_env(config, config.prefill, identity)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert engine_env(config, identity)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
     args = engine_args(config, config.prefill, identity)
     assert args.kv_events_config.endpoint == identity.engine_events_endpoint
     assert args.kv_events_config.endpoint.startswith("ipc://"), "vLLM publishes on the node only"

@@ -32,25 +32,25 @@ def test_an_engine_s_ranks_run_under_its_replica_on_the_gpus_it_holds(gpu_config
 
 
 def test_the_cpu_tuning_is_off_on_cuda_unless_a_key_turns_it_on(gpu_config):
-    env = engine_env(gpu_config, gpu_config.prefill, assign_identity(gpu_config, Role.PREFILL, 0, "127.0.0.1"))
+    env = engine_env(gpu_config, assign_identity(gpu_config, Role.PREFILL, 0, "127.0.0.1"))
     assert not [name for name in env if name.startswith("KV_LOOP_") or name.startswith("VLLM_CPU_")], env
     assert _args(gpu_config).worker_extension_cls == ""
     tuned = replace(gpu_config, cpu_tuning_on_gpu=True)
-    env = engine_env(tuned, tuned.prefill, assign_identity(tuned, Role.PREFILL, 0, "127.0.0.1"))
+    env = engine_env(tuned, assign_identity(tuned, Role.PREFILL, 0, "127.0.0.1"))
     assert {"KV_LOOP_ENGINE_NICE", "KV_LOOP_NIXL_POLL_DELAY_US", "KV_LOOP_IDLE_POLL_S"} <= set(env)
     cpu = AppConfig()
-    assert "KV_LOOP_ENGINE_NICE" in engine_env(cpu, cpu.prefill, assign_identity(cpu, Role.PREFILL, 0, "127.0.0.1"))
+    assert "KV_LOOP_ENGINE_NICE" in engine_env(cpu, assign_identity(cpu, Role.PREFILL, 0, "127.0.0.1"))
     assert _args(cpu).worker_extension_cls == "app.engine.nixl_worker.NixlWorkerExtension"
 
 
 def test_cpu_engines_bind_one_core_per_rank_prefill_from_the_first_decode_from_the_last(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 4)
     config = replace(AppConfig(), tensor_parallel_size=2)
-    prefill = engine_env(config, config.prefill, assign_identity(config, Role.PREFILL, 0, "127.0.0.1"))
-    decode = engine_env(config, config.decode, assign_identity(config, Role.DECODE, 0, "127.0.0.1"))
+    prefill = engine_env(config, assign_identity(config, Role.PREFILL, 0, "127.0.0.1"))
+    decode = engine_env(config, assign_identity(config, Role.DECODE, 0, "127.0.0.1"))
     assert (prefill["VLLM_CPU_OMP_THREADS_BIND"], decode["VLLM_CPU_OMP_THREADS_BIND"]) == ("0|1", "3|2")
     assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(
-        replace(config, bind_engine_cores=False), config.prefill,
+        replace(config, bind_engine_cores=False),
         assign_identity(replace(config, bind_engine_cores=False), Role.PREFILL, 0, "127.0.0.1"))
 
 
