@@ -40,11 +40,6 @@ HOOKS = [
     ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.wait", "takes", ("self", "timeout_ms")),
     ("vllm.distributed.device_communicators.shm_broadcast:MessageQueue.ReadTimeoutWithWarnings.timeout_ms", "reads",
      ("SHM_READER_RECHECK_INTERVAL_MS",)),
-    # ... and how torch builds a gloo group's backend, with the options that name its device.
-    ("torch.distributed.distributed_c10d:_new_process_group_helper", "reads", ("ProcessGroupGloo",)),
-    ("torch.distributed.distributed_c10d:ProcessGroupGloo", "has", ("create_default_device", "_Options")),
-    ("torch.distributed.distributed_c10d:ProcessGroupGloo._Options", "has", ("_devices", "_timeout")),
-    ("torch.distributed.distributed_c10d", "has", ("default_pg_timeout",)),
     # app/engine/nixl_worker.py: the connector worker whose constructor moves the model's thread to another core.
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker", "has", ("__init__",)),
     ("nixl._api:nixlBind", "has", ("nixlAgent", "nixlAgentConfig")),
