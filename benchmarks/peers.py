@@ -78,8 +78,7 @@ def plain_vllm(config: AppConfig) -> Iterator[str]:
     command, niceness = plain_vllm_command(config, port), worker_niceness()
     # The app's priorities too: its API server at Ray's worker niceness, as every Serve replica, and
     # its engine processes at the app's engine_nice (this package's vLLM plugin lowers their own).
-    server = subprocess.Popen(command, env={**os.environ,
-                                            **engine_plugin_env(config)},
+    server = subprocess.Popen(command, env={**os.environ, **engine_plugin_env(config)},
                               preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, niceness),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -102,8 +101,7 @@ def serve_llm_pd_args(config: AppConfig) -> dict:
                     "kv_connector_extra_config": {"backends": list(config.nixl_backends)}}
         engine = {**peer_engine_kwargs(config, name), "enable_prefix_caching": group.prefix_caching,
                   "kv_transfer_config": transfer, "worker_extension_cls": "app.engine.nixl_worker.NixlWorkerExtension"}
-        env = {"VLLM_CPU_OMP_THREADS_BIND": str(core),
-               POLL_DELAY_ENV: str(config.nixl_poll_delay_us),
+        env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), POLL_DELAY_ENV: str(config.nixl_poll_delay_us),
                **engine_plugin_env(config)}
         return {"model_loading_config": {"model_id": config.model_name, "model_source": str(config.model_path())},
                 "accelerator_config": {"kind": "cpu"}, "placement_group_config": {"bundles": [{"CPU": 1}]},
