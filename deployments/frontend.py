@@ -40,6 +40,7 @@ from app.turn.membership import QuietPoll
 from app.turn.relay import Admission, NoRouterAlive, Relay
 from app.turn.reply import EngineRefused, NoEngineAlive, StageTimeout
 from app.turn.routing import NoPrefillReplica
+from deployments.handles import ServeRouterStreams
 from deployments.http_guard import HttpGuard, error_response, open_paths, serve_docs
 
 logger = logging.getLogger("ray.serve")
@@ -107,7 +108,7 @@ class Frontend:
         self.parsing = ReplyParsing.of(config)
         self.responses_defaults = vllm_responses_defaults()
         self.router = router.options(_by_reference=False)
-        self.streams = router.options(stream=True, _by_reference=False)
+        self.streams = ServeRouterStreams(router)
         api.state.max_request_bytes, api.state.retry_after_s = self.limits.max_request_bytes, self.limits.retry_after_s
         if config.openapi_docs:
             serve_docs(api)
@@ -252,9 +253,10 @@ class Frontend:
     async def _begin(self, requests: list[ClientRequest]) -> list[Relay] | JSONResponse:
         """A started relay per request (a choice each), each holding an admission place; or the refusal."""
         relays: list[Relay] = []
-        for request in requests:
+        for index, request in enumerate(requests):
             relays.append(Relay(self.streams, request, self.limits.router_attempts,
-                                on_move=lambda stage: self.moves.inc(1, {"stage": stage})))
+                                on_move=lambda stage: self.moves.inc(1, {"stage": stage}),
+                                choice=index if len(requests) > 1 else None))
             if not self.admission.admit(relays[-1], api.state.keys.tenant_of(request.authorization)):
                 for relay in relays:
                     relay.close()

@@ -6,10 +6,15 @@ less that way. Each method returns Serve's own response object, which is awaitab
 an async iterator with `cancel`), so a call costs no coroutine of its own.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle
 
 from app.kv.index import SequenceKey
-from app.protocol import DecodeRequest, KVHandoff, PrefillRequest, StoredResponse, TurnRecords
+from app.protocol import ClientRequest, DecodeRequest, KVHandoff, PrefillRequest, StoredResponse, TurnRecords
 
 
 def _direct(handle: DeploymentHandle) -> DeploymentHandle:
@@ -61,3 +66,37 @@ class ServeEngineGroup:
     def prefill(self, request: PrefillRequest):
         return self._handle.prefill.remote(request)
 
+
+
+class ServeRouterStreams:
+    """The router deployment's `generate` as the frontend's relays open it (app/turn/relay.py RouterStreams)."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._streaming = _direct(handle).options(stream=True)
+
+    def open(self, request: ClientRequest, choice: int | None):
+        if choice is None:
+            return self._streaming.generate.remote(request)
+        with own_request_id(str(choice)):
+            return self._streaming.generate.remote(request)
+
+
+@contextmanager
+def own_request_id(suffix: str) -> Iterator[None]:
+    """Handle calls made inside carry the serving request's internal id plus `suffix`. Serve's request
+    router matches the replica it picked to the pending call by that id, which every call made while
+    serving one request inherits; of two calls to one deployment pending at once, the second is then
+    never matched and routes until its caller gives up (ray 2.60, request_router.py
+    `_add_pending_request_to_indices` keeps only the first). The choices of an `n` > 1 request are
+    such calls, to the router and, from there, to the engines. Outside a request nothing changes:
+    Serve gives each call a fresh id."""
+    request = serve_context._get_serve_request_context()
+    if not request._internal_request_id:
+        yield
+        return
+    token = serve_context._serve_request_context.set(
+        replace(request, _internal_request_id=f"{request._internal_request_id}-{suffix}"))
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)

@@ -40,6 +40,11 @@ HOOKS = [
     ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.wait", "takes", ("self", "timeout_ms")),
     ("vllm.distributed.device_communicators.shm_broadcast:MessageQueue.ReadTimeoutWithWarnings.timeout_ms", "reads",
      ("SHM_READER_RECHECK_INTERVAL_MS",)),
+    # ... and how torch builds a gloo group's backend, with the options that name its device.
+    ("torch.distributed.distributed_c10d:_new_process_group_helper", "reads", ("ProcessGroupGloo",)),
+    ("torch.distributed.distributed_c10d:ProcessGroupGloo", "has", ("create_default_device", "_Options")),
+    ("torch.distributed.distributed_c10d:ProcessGroupGloo._Options", "has", ("_devices", "_timeout")),
+    ("torch.distributed.distributed_c10d", "has", ("default_pg_timeout",)),
     # app/engine/nixl_worker.py: the connector worker whose constructor moves the model's thread to another core.
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker", "has", ("__init__",)),
     ("nixl._api:nixlBind", "has", ("nixlAgent", "nixlAgentConfig")),
@@ -51,6 +56,11 @@ HOOKS = [
     ("ray.serve.request_router:PendingRequest", "has", ("args", "routing_context")),
     ("ray.serve._private.request_router.common:RequestRoutingContext", "has", ("should_backoff",)),
     ("ray.serve.context:ReplicaContext", "has", ("rank",)),
+    # deployments/handles.py own_request_id: the request context a handle call's metadata is made from.
+    ("ray.serve.context:_RequestContext", "has", ("_internal_request_id",)),
+    ("ray.serve.context", "has", ("_serve_request_context", "_get_serve_request_context")),
+    ("ray.serve._private.default_impl:get_request_metadata", "reads",
+     ("_get_serve_request_context", "_internal_request_id")),
 ]
 
 

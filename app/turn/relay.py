@@ -12,7 +12,7 @@ import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -25,13 +25,18 @@ class NoRouterAlive(RuntimeError):
     """Every router replica tried died under the request: the frontend answers 503."""
 
 
+class RouterStreams(Protocol):
+    def open(self, request: ClientRequest, choice: int | None) -> Any:
+        """The router's stream for `request` (ReplyStart, ReplyChunk…; cancellable). `choice`: its
+        index among the choices of one `n` > 1 request, which are open at once, else None."""
+
+
 class Relay:
-    def __init__(self, router: Any, request: ClientRequest, attempts: int,
-                 on_move: Callable[[str], None] = lambda stage: None) -> None:
-        """`router`: a streaming handle to the router; `on_move(stage)`: counts each move. A reply
-        whose state cannot move (ReplyStart.movable: a grammar's, penalties over the reply so far)
-        fails with its replica."""
-        self.router, self.request = router, request
+    def __init__(self, router: RouterStreams, request: ClientRequest, attempts: int,
+                 on_move: Callable[[str], None] = lambda stage: None, choice: int | None = None) -> None:
+        """`on_move(stage)`: counts each move. A reply whose state cannot move (ReplyStart.movable: a
+        grammar's, penalties over the reply so far) fails with its replica."""
+        self.router, self.request, self.choice = router, request, choice
         self.attempts, self.on_move = attempts, on_move
         self.start: ReplyStart | None = None
         self.sent: list[int] = []
@@ -93,7 +98,7 @@ class Relay:
 
     async def _open(self, request: ClientRequest) -> ReplyStart:
         self._cancel()
-        self._stream = self.router.generate.remote(request)
+        self._stream = self.router.open(request, self.choice)
         return await self._next()
 
     async def _next(self) -> Any:

@@ -34,9 +34,8 @@ class Router:
 
     def __init__(self, *scripts: list) -> None:
         self.scripts, self.requests, self.streams = list(scripts), [], []
-        self.generate = self
 
-    def remote(self, request: ClientRequest) -> Stream:
+    def open(self, request: ClientRequest, choice: int | None) -> Stream:
         self.requests.append(request)
         self.streams.append(Stream(self.scripts.pop(0)))
         return self.streams[-1]
