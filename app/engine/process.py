@@ -20,6 +20,10 @@ to itself when it starts.
    KV_LOOP_SHM_RECHECK_MS and KV_LOOP_SHM_IDLE_RECHECK_MS, so an idle engine's worker does not wake
    hundreds of times a second. A notification still wakes it at once; only a lost one after an idle
    spell costs up to the idle recheck instead of the recheck.
+4. It builds every gloo process group on one gloo device. vLLM makes 13 per worker even at world
+   size 1 (a CPU and a device group for each of its parallel groups), torch gives each its own
+   device, and each device's transport thread wakes every 10 ms (gloo's fixed epoll timeout): 1,300
+   wakeups a second in an idle worker. One device serves any number of groups.
 
 vLLM loads this in each of its processes; only its spawned children (multiprocessing children,
 not the process that owns the engine) act, so a Serve replica or vLLM's API server is untouched.
@@ -37,6 +41,7 @@ ENGINE_NICE_ENV = "KV_LOOP_ENGINE_NICE"
 SHM_BUSY_POLL_ENV = "KV_LOOP_SHM_BUSY_POLL_S"
 SHM_RECHECK_ENV = "KV_LOOP_SHM_RECHECK_MS"
 SHM_IDLE_RECHECK_ENV = "KV_LOOP_SHM_IDLE_RECHECK_MS"
+ONE_GLOO_DEVICE_ENV = "KV_LOOP_ONE_GLOO_DEVICE"
 IDLE_RECHECK_SHARE = 0.05
 """A blocked reader idle for t rechecks its queue every t times this (within the two rechecks): busy
 readers keep the short recheck, and one idle for a second or more waits the idle recheck."""
@@ -49,7 +54,7 @@ SHUTDOWN_GRACE_S = 10.0
 def plugin_env(nice: int, busy_poll_s: float, recheck_ms: int, idle_recheck_ms: int = 0) -> dict[str, str]:
     """The variables this plugin reads, for a CPU engine's environment."""
     return {ENGINE_NICE_ENV: str(nice), SHM_BUSY_POLL_ENV: str(busy_poll_s), SHM_RECHECK_ENV: str(recheck_ms),
-            SHM_IDLE_RECHECK_ENV: str(max(idle_recheck_ms, recheck_ms))}
+            SHM_IDLE_RECHECK_ENV: str(max(idle_recheck_ms, recheck_ms)), ONE_GLOO_DEVICE_ENV: "1"}
 
 
 def register() -> None:
@@ -60,6 +65,8 @@ def register() -> None:
     if (busy_poll_s := os.environ.get(SHM_BUSY_POLL_ENV)) and (recheck_ms := os.environ.get(SHM_RECHECK_ENV)):
         limit_shared_memory_spin(float(busy_poll_s), int(recheck_ms),
                                  int(os.environ.get(SHM_IDLE_RECHECK_ENV) or recheck_ms))
+    if os.environ.get(ONE_GLOO_DEVICE_ENV):
+        share_one_gloo_device()
 
 
 def lower_priority(nice: int) -> None:
@@ -108,3 +115,32 @@ def limit_shared_memory_spin(busy_poll_s: float, recheck_ms: int, idle_recheck_m
         init(self, is_reader, context, notify_address, busy_loop_s)
 
     shm_broadcast.SpinCondition.__init__ = with_busy_poll
+
+
+def share_one_gloo_device() -> None:
+    """Gloo process groups created from now on share one device (its transport thread). torch builds
+    each group's backend with `ProcessGroupGloo(store, rank, size, timeout=...)` inside
+    `_new_process_group_helper`, so the name points at a builder with the shared device only while
+    that runs: torch's isinstance checks elsewhere keep the real class."""
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    gloo, helper, devices = c10d.ProcessGroupGloo, inspect.unwrap(c10d._new_process_group_helper), []
+
+    class OneDeviceGloo(gloo):
+        def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta = c10d.default_pg_timeout):
+            devices[:] = devices or [gloo.create_default_device()]
+            options = gloo._Options()
+            options._devices, options._timeout = devices, timeout
+            super().__init__(store, rank, size, options)
+
+    @functools.wraps(helper)
+    def helper_with_one_device(*args, **kwargs):
+        c10d.ProcessGroupGloo = OneDeviceGloo
+        try:
+            return helper(*args, **kwargs)
+        finally:
+            c10d.ProcessGroupGloo = gloo
+
+    c10d._new_process_group_helper = helper_with_one_device

@@ -48,8 +48,11 @@ def test_engine_processes_limit_how_long_their_shared_memory_readers_spin(monkey
             socket.close(linger=0)
         return reader.busy_loop_s
 
+    from torch.distributed import distributed_c10d
+
+    monkeypatch.setattr(distributed_c10d, "_new_process_group_helper", distributed_c10d._new_process_group_helper)
     for name in (engine_process.SHM_BUSY_POLL_ENV, engine_process.SHM_RECHECK_ENV,
-                 engine_process.SHM_IDLE_RECHECK_ENV):
+                 engine_process.SHM_IDLE_RECHECK_ENV, engine_process.ONE_GLOO_DEVICE_ENV):
         monkeypatch.delenv(name, raising=False)
     engine_process.register()
     # vLLM's own, where the engine adapter set nothing
@@ -85,6 +88,36 @@ def test_an_idle_shared_memory_reader_rechecks_less_often_and_a_deadline_stands(
     engine_process.limit_shared_memory_spin(0.001, 2, 0)  # no idle recheck: vLLM's wait, the fixed recheck
     reader.wait(timeout_ms=2)
     assert waits[-1] == 2 and engine_process.plugin_env(0, 0.001, 2)[engine_process.SHM_IDLE_RECHECK_ENV] == "2"
+
+
+GLOO_GROUPS = """
+import os, sys, torch, torch.distributed as dist
+from app.engine import process as engine_process
+if sys.argv[2] == "one":
+    engine_process.share_one_gloo_device()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+for group in [dist.new_group([0], backend="gloo") for _ in range(12)]:
+    tensor = torch.ones(2)
+    dist.all_reduce(tensor, group=group)
+    dist.barrier(group=group)
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(names.count("gloo_tcp_loop"), dist.get_backend(group))
+"""
+
+
+def test_an_engine_process_s_gloo_groups_share_one_transport_thread(tmp_path):
+    """vLLM's workers make 13 gloo groups; each device's transport thread wakes every 10 ms."""
+    import subprocess
+    import sys
+
+    from app.engine.ports import free_port
+
+    script = tmp_path / "groups.py"
+    script.write_text(GLOO_GROUPS)
+    loops = {how: subprocess.run([sys.executable, str(script), str(free_port("127.0.0.1")), how], text=True,
+                                 capture_output=True, check=True, timeout=60).stdout.split()
+             for how in ("one", "torch's")}
+    assert loops == {"one": ["1", "gloo"], "torch's": ["13", "gloo"]}
 
 
 ORPHAN_PARENT = """
