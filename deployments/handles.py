@@ -67,7 +67,6 @@ class ServeEngineGroup:
         return self._handle.prefill.remote(request)
 
 
-
 class ServeRouterStreams:
     """The router deployment's `generate` as the frontend's relays open it (app/turn/relay.py RouterStreams)."""
 
@@ -75,23 +74,21 @@ class ServeRouterStreams:
         self._streaming = _direct(handle).options(stream=True)
 
     def open(self, request: ClientRequest, choice: int | None):
-        if choice is None:
-            return self._streaming.generate.remote(request)
-        with own_request_id(str(choice)):
+        with own_request_id(choice):
             return self._streaming.generate.remote(request)
 
 
 @contextmanager
-def own_request_id(suffix: str) -> Iterator[None]:
+def own_request_id(suffix: int | str | None) -> Iterator[None]:
     """Handle calls made inside carry the serving request's internal id plus `suffix`. Serve's request
     router matches the replica it picked to the pending call by that id, which every call made while
     serving one request inherits; of two calls to one deployment pending at once, the second is then
     never matched and routes until its caller gives up (ray 2.60, request_router.py
     `_add_pending_request_to_indices` keeps only the first). The choices of an `n` > 1 request are
-    such calls, to the router and, from there, to the engines. Outside a request nothing changes:
-    Serve gives each call a fresh id."""
+    such calls, to the router and, from there, to the engines. With no suffix, or outside a request
+    (Serve then gives each call a fresh id), nothing changes."""
     request = serve_context._get_serve_request_context()
-    if not request._internal_request_id:
+    if suffix is None or not request._internal_request_id:
         yield
         return
     token = serve_context._serve_request_context.set(

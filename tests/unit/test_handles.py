@@ -21,8 +21,10 @@ def test_each_choice_s_calls_carry_their_own_id_within_the_request_s():
         assert _call_id() == "req"  # Serve's own rule: a call inherits the request's id
         with own_request_id("0"):
             assert _call_id() == "req-0"
-        with own_request_id("1"):
+        with own_request_id(1):
             assert _call_id() == "req-1"
+        with own_request_id(None):  # a request's only choice keeps Serve's id, and its cancellation cascade
+            assert _call_id() == "req"
         assert _call_id() == "req"
     finally:
         serve_context._serve_request_context.reset(token)
