@@ -20,7 +20,7 @@ from app.config.engines import (
 from app.config.limits import Limits
 from app.config.placement import Placement, ReplicaRuntime
 from app.config.relations import relation_problems
-from app.config.types import Bool, Count, Delay, Int, Natural, Seconds, Str, Weight, refuse, section
+from app.config.types import Bool, Count, Delay, Int, Natural, Seconds, Share, Str, Weight, refuse, section
 from app.conversations.bounded import RecordBounds
 from app.conversations.records import RenderMode
 from app.kv.hashing import DEFAULT_HASH_SEED
@@ -76,6 +76,10 @@ class AppConfig:
     recompute_threshold_tokens: Natural = 256
     """Pull only when it saves at least this many tokens of prefill over the local cache: below it a
     transfer's fixed cost exceeds the compute it saves (benchmarks/reverse_pull.py --sweep measures it)."""
+    max_recomputed_history: Share = 0.05
+    """Pull, whatever the threshold, when recomputing would compute more than this share of the history
+    decode retains: the threshold spares a short append a transfer's fixed cost, this bounds the prefill
+    a long history costs again each turn (1: the threshold alone decides)."""
     tool_pause_s: Delay = 30.0
     """A reply to a request that offers tools may end in tool calls: decode's trimming takes such a
     retained sequence after every other for this long (0: no pause). At most retention_ttl_s."""

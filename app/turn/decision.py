@@ -27,6 +27,12 @@ class PullPolicy:
     """Below this eviction horizon a replica's cached blocks don't make a pull unnecessary."""
     max_decode_prefill_tokens: int = 0
     """Prefill on decode when at most this many prompt tokens are new to it (0: never)."""
+    max_recomputed_history: float = 1.0
+    """Pull below the threshold when recomputing would compute more than this share of the retained history."""
+
+    def pull_saves(self, pullable: int, local: int) -> bool:
+        missing = pullable - local
+        return missing >= max(self.threshold_tokens, 1) or missing > self.max_recomputed_history * pullable
 
 
 def pullable_tokens(prompt_ids: list[int], retained_ids: tuple[int, ...], block_size: int) -> int:
@@ -66,11 +72,11 @@ def decide(prompt_ids: list[int], lookup: PrefixLookup, prefill_replica_id: str,
     base = replace(base, tokens_pullable=pullable, expires_in_s=round(expires_in_s, 3), retained=retained)
     if not policy.enabled:
         return replace(base, reason=Reason.PULL_DISABLED)
-    threshold = max(policy.threshold_tokens, 1)
-    saves = pullable - local >= threshold
+    saves = policy.pull_saves(pullable, local)
     # vLLM's prefill reads only the blocks it lacks when the turn runs, so pulling past blocks that
     # survive costs little, while trusting blocks that were evicted costs a full recompute.
-    at_risk = horizon_s is not None and horizon_s < policy.min_local_horizon_s and pullable >= threshold
+    at_risk = (horizon_s is not None and horizon_s < policy.min_local_horizon_s
+               and pullable >= max(policy.threshold_tokens, 1))
     if not (saves or at_risk):
         return replace(base, reason=Reason.BELOW_THRESHOLD)
     if expires_in_s < policy.expiry_margin_s:

@@ -26,6 +26,7 @@ class Planner:
     def __init__(self, config: AppConfig, engines: LiveEngines, journal: TurnJournal) -> None:
         self.config, self.engines, self.journal = config, engines, journal
         self.policy = PullPolicy(block_size=config.block_size, threshold_tokens=config.recompute_threshold_tokens,
+                                 max_recomputed_history=config.max_recomputed_history,
                                  expiry_margin_s=config.expiry_margin_s, enabled=config.reverse_pull,
                                  min_local_horizon_s=config.min_local_horizon_s,
                                  max_decode_prefill_tokens=config.max_decode_prefill_tokens)

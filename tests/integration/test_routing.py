@@ -29,10 +29,11 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def two_prefill_replicas(base_url, app_config):
-    # Threshold 0: pull whatever decode holds beyond prefill's cache (here only the short replies),
-    # so the second test sees the pull compose with routing rather than the threshold's choice.
+    # A threshold no pull meets and a 1 % history share: the share alone makes decode's short replies
+    # worth a pull, so the second test sees the pull compose with routing and the share decide it.
     replace_app(replace(app_config, prefill=EngineGroupConfig(replicas=2, cpus_per_replica=0.5),
-                        decode=EngineGroupConfig(replicas=1, cpus_per_replica=0.5), recompute_threshold_tokens=0))
+                        decode=EngineGroupConfig(replicas=1, cpus_per_replica=0.5), recompute_threshold_tokens=4096,
+                        max_recomputed_history=0.01))
     # Serve calls the app ready when every replica started; the router learns of a prefill replica
     # at its next membership refresh (up to heartbeat_interval_s later). Before, it places on one.
     faults.wait_whole(base_url)
@@ -78,9 +79,15 @@ def test_kv_aware_finds_the_replica_that_holds_the_conversation(two_prefill_repl
     assert stats["events_applied"] > 0, "the index follows the prefill engines' own KV cache events"
 
 
-def test_kv_aware_with_reverse_pull_reuses_the_whole_previous_sequence(two_prefill_replicas, client, app_config):
+def test_kv_aware_with_reverse_pull_reuses_the_whole_previous_sequence(two_prefill_replicas, client, http,
+                                                                       app_config, reference):
     conversations = _conversations(client, "kv_aware", reverse_pull=True)
     assert _hit_rate(conversations, app_config.block_size, with_generated=True) >= 0.9
+    decisions = decisions_by_request(http)
+    pulls = [decisions[t.request_id] for turns in conversations for t in turns[1:]
+             if decisions[t.request_id]["action"] == "pull"]
+    assert pulls and all(d["reason"] == "pull_saves_tokens" and d["pulled_tokens"] < d["threshold"] for d in pulls)
+    assert [t.output_ids for t in conversations[0]] == reference_ids(reference, conversations[0], MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

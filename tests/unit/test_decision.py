@@ -32,6 +32,16 @@ def test_recompute_when_local_cache_is_as_good():
     assert decision.action == Action.RECOMPUTE and decision.reason == Reason.BELOW_THRESHOLD
 
 
+def test_pull_below_the_threshold_when_recomputing_would_redo_more_than_the_history_share():
+    history = list(range(1900))  # an agent's history: its last tool turn ran on decode, prefill lacks it
+    policy = PullPolicy(block_size=BLOCK, threshold_tokens=256, expiry_margin_s=5.0, max_recomputed_history=0.05)
+    decision = decide(history + [5], _lookup(history, local=1664), "p0", policy, NOW)
+    assert decision.action == Action.PULL and decision.reason == Reason.PULL_SAVES_TOKENS
+    assert decision.pull.num_tokens == 1888
+    only_the_reply = decide(history + [5], _lookup(history, local=1856), "p0", policy, NOW)
+    assert only_the_reply.reason == Reason.BELOW_THRESHOLD, "32 of 1888 tokens: under the share, and the threshold"
+
+
 def test_pull_anyway_when_prefill_evicts_faster_than_its_cached_blocks_can_be_trusted():
     history = list(range(300))
     policy = PullPolicy(block_size=BLOCK, threshold_tokens=32, expiry_margin_s=5.0, min_local_horizon_s=30.0)
