@@ -48,7 +48,9 @@ class RenderedTurn:
     affinity_key: str
     """The conversation's identity: its session, else its messages up to the first user turn."""
     turn_index: int
-    """1 for a conversation's first turn: the number of user messages so far."""
+    """1 for a conversation's first turn: one more than the replies its history holds. Counting user
+    messages instead made every turn of an agent loop (one question, then tool results) a first turn:
+    first turns' priority in the engines, and placement fitted to first turns' long prompts."""
     previous_replica: str
     """The prefill replica of the previous turn, when its record was found."""
 
@@ -82,7 +84,7 @@ class ChatSessions:
         first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), 0)
         return RenderedTurn(prompt_ids, diagnostics, query.chain, query.tenant, query.session_key,
                             affinity_key=query.session_key or query.chain[first_user],
-                            turn_index=sum(m["role"] == "user" for m in messages),
+                            turn_index=1 + sum(m["role"] == "assistant" for m in messages),
                             previous_replica=match.record.prefill_replica_id if match.record else "")
 
     def _has_reasoning(self, record: ConversationRecord) -> bool:

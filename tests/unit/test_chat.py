@@ -48,3 +48,22 @@ def test_the_render_budget_counts_from_the_request_s_own_work_not_its_wait():
 
     with ThreadPoolExecutor(max_workers=1) as thread:
         asyncio.run(scenario(thread))
+
+
+def test_a_turn_after_a_tool_result_is_a_later_turn(renderer):
+    """An agent loop asks once and then sends tool results: each of its turns after the first follows
+    a reply, so it takes a later turn's priority and placement fit."""
+    from app.conversations.bounded import RecordBounds
+    from app.conversations.records import RenderMode
+    from app.conversations.sessions import ChatSessions
+
+    bounds = RecordBounds(ttl_s=60, max_records=8, max_bytes=1 << 20, tenant_bytes=1 << 20)
+    sessions = ChatSessions(renderer, 32, bounds)
+    call = {"id": "c0", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    loop = [{"role": "system", "content": "Agent."}, *MESSAGES]
+    for expected in (1, 2, 3):
+        query = sessions.query(loop, "tenant", "tenant", None)
+        turn = sessions.render(loop, {}, query, sessions.match(query), RenderMode.PRESERVE)
+        assert turn.turn_index == expected
+        loop += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "c0", "content": "sunny"}]
