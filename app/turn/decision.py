@@ -30,9 +30,13 @@ class PullPolicy:
     max_recomputed_history: float = 1.0
     """Pull below the threshold when recomputing would compute more than this share of the retained history."""
 
+    @property
+    def min_pull_tokens(self) -> int:
+        return max(self.threshold_tokens, 1)
+
     def pull_saves(self, pullable: int, local: int) -> bool:
         missing = pullable - local
-        return missing >= max(self.threshold_tokens, 1) or missing > self.max_recomputed_history * pullable
+        return missing >= self.min_pull_tokens or missing > self.max_recomputed_history * pullable
 
 
 def pullable_tokens(prompt_ids: list[int], retained_ids: tuple[int, ...], block_size: int) -> int:
@@ -75,8 +79,7 @@ def decide(prompt_ids: list[int], lookup: PrefixLookup, prefill_replica_id: str,
     saves = policy.pull_saves(pullable, local)
     # vLLM's prefill reads only the blocks it lacks when the turn runs, so pulling past blocks that
     # survive costs little, while trusting blocks that were evicted costs a full recompute.
-    at_risk = (horizon_s is not None and horizon_s < policy.min_local_horizon_s
-               and pullable >= max(policy.threshold_tokens, 1))
+    at_risk = horizon_s is not None and horizon_s < policy.min_local_horizon_s and pullable >= policy.min_pull_tokens
     if not (saves or at_risk):
         return replace(base, reason=Reason.BELOW_THRESHOLD)
     if expires_in_s < policy.expiry_margin_s:
