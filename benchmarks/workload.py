@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from app.config import TINY_MODEL, AppConfig
 from app.model.tiny import corpus_lines, ensure_tiny_model
-from app.ops.client import TurnResult, chat_turn
+from app.ops.client import TurnResult, chat_turn, timed_client
 from benchmarks.target import NO_KEY, Target
 
 
@@ -27,8 +27,9 @@ def open_target(target: Target, config: AppConfig) -> tuple[OpenAI, object, Targ
 
 
 def openai_client(url: str, api_key: str = NO_KEY) -> OpenAI:
-    """The official client against `url`: no retries (a failure is a result), long timeouts."""
-    return OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=600)
+    """The official client against `url`: no retries (a failure is a result), long timeouts, each
+    turn timed from when its request leaves (app/ops/client.py timed_client)."""
+    return timed_client(url, api_key, timeout_s=600)
 
 
 def load_tokenizer(config: AppConfig):

@@ -12,9 +12,10 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from ray import serve
@@ -26,6 +27,7 @@ from app.conversations.reply_parsing import ReplyParsing
 from app.conversations.request_check import RequestCheck
 from app.conversations.sessions import ChatSessions, HistoryQuery, RenderedTurn
 from app.conversations.tenants import KeyRing, cache_salt, cache_scope, open_api_warning
+from app.kv.hashing import block_hashes
 from app.metrics import TurnMetrics, kv_bytes_per_token
 from app.model.tiny import ensure_tiny_model
 from app.protocol import ClientRequest, ReplyChunk, ReplyStart, Resume, Role, SamplingSettings, StoredResponse
@@ -99,19 +101,23 @@ class Router:
         sampling = body.sampling(body.requested_max_tokens or self.config.max_model_len, self.generation_defaults)
         if isinstance(body, ChatCompletionRequest):
             sampling = self.reply_parsing.constrain(body, sampling)
-        if RequestCheck.needs_tokenizer(sampling):  # before any engine sees it
-            await self._in_render_thread(self.request_check.check, sampling)
-        else:
+        # vLLM's check, before any engine sees the request: at once, or, when it needs the tokenizer,
+        # in the render thread with the prompt (one hop for both)
+        check = partial(self.request_check.check, sampling) if RequestCheck.needs_tokenizer(sampling) else None
+        if check is None:
             self.request_check.check(sampling)
-        rendered = await self._rendered(body, scope, tenant, body.session_id or request.session_id) if isinstance(
-            body, ChatCompletionRequest) else None
-        if request.resume is not None:  # the reply continues what the client already has
-            prompt_ids = list(request.resume.prompt_token_ids)
-            rendered = replace(rendered, prompt_ids=prompt_ids) if rendered else None
+        salt = cache_salt(scope, self.config.salt_secret)
+        if isinstance(body, ChatCompletionRequest):
+            rendered, hashes = await self._rendered(body, scope, tenant, body.session_id or request.session_id,
+                                                    salt, check)
+            prompt_ids = rendered.prompt_ids
         else:
-            prompt_ids = rendered.prompt_ids if rendered else await self._in_render_thread(self.renderer.completion,
-                                                                                          body)
-        turn = self._turn(body, sampling, prompt_ids, scope, tenant, rendered, request.resume, received)
+            rendered = None
+            prompt_ids, hashes = await self._in_render_thread(self._hashed, salt, check, self.renderer.completion, body)
+        if request.resume is not None:  # the reply continues what the client already has
+            prompt_ids, hashes = list(request.resume.prompt_token_ids), ()
+            rendered = replace(rendered, prompt_ids=prompt_ids) if rendered else None
+        turn = self._turn(body, sampling, prompt_ids, scope, salt, hashes, tenant, rendered, request.resume, received)
         async with self.loop.turn(turn) as run:
             await run.prepare()
             resume = request.resume or Resume((), (), "", run.cached_tokens)
@@ -129,7 +135,8 @@ class Router:
                            rendered.session_key)
 
     def _turn(self, body: GenerationRequest, sampling: SamplingSettings, prompt_ids: list[int], scope: str,
-              tenant: str, rendered: RenderedTurn | None, resume: Resume | None, received_at: float) -> Turn:
+              salt: str, hashes: tuple[bytes, ...], tenant: str, rendered: RenderedTurn | None, resume: Resume | None,
+              received_at: float) -> Turn:
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
         self.renderer.check_fits(prompt_ids, body.requested_max_tokens or 1)
@@ -142,7 +149,7 @@ class Router:
         sent = resume.sent_token_ids if resume else ()
         chat = rendered is not None
         return Turn(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                    prompt_token_ids=(*prompt_ids, *sent), cache_salt=cache_salt(scope, self.config.salt_secret),
+                    prompt_token_ids=(*prompt_ids, *sent), cache_salt=salt, block_hashes=hashes,
                     sampling=sampling.after(len(sent)), tenant=tenant,
                     tool_pause_s=self.config.tool_pause_s if body.may_call_tools else 0.0,
                     reverse_pull=self.config.reverse_pull and body.reverse_pull is not False,
@@ -155,15 +162,27 @@ class Router:
                     load_aware=self.config.placement.load_aware if body.load_aware_placement is None
                     else body.load_aware_placement, received_at=received_at)
 
-    async def _rendered(self, body: ChatCompletionRequest, scope: str, tenant: str,
-                        session_id: str | None) -> RenderedTurn:
+    async def _rendered(self, body: ChatCompletionRequest, scope: str, tenant: str, session_id: str | None,
+                        salt: str, check: Callable[[], None] | None) -> tuple[RenderedTurn, tuple[bytes, ...]]:
         self.renderer.check_template_kwargs(body.chat_template_kwargs)
         messages = body.template_messages()
         query = self.sessions.query(messages, scope, tenant, session_id or body.user, body.tools)
         match = await self._history(query)
         mode = body.conversation_mode or self.config.conversation_mode
         template_kwargs = body.chat_template_kwargs | ({"tools": body.tools} if body.tools else {})
-        return await self._in_render_thread(self.sessions.render, messages, template_kwargs, query, match, mode)
+        return await self._in_render_thread(self._hashed, salt, check, self.sessions.render, messages, template_kwargs,
+                                            query, match, mode)
+
+    def _hashed(self, salt: str, check: Callable[[], None] | None, prompt_of, *args) -> tuple[Any, tuple[bytes, ...]]:
+        """In the render thread: the request's check (if it needs the tokenizer), its prompt (a
+        RenderedTurn or token ids) and the prompt's block hashes, in one hop: each hop to a thread
+        and back waits twice for this event loop, behind every stream it serves, in a turn's TTFT."""
+        if check is not None:
+            check()
+        prompt = prompt_of(*args)
+        ids = prompt.prompt_ids if isinstance(prompt, RenderedTurn) else prompt
+        hash_seed, hash_algo = self.config.prefix_hash_seed, self.config.prefix_hash_algo
+        return prompt, tuple(block_hashes(ids, self.config.block_size, salt, hash_seed, hash_algo))
 
     async def _in_render_thread(self, fn, *args):
         return await within_budget(self.render_thread, self.limits.render_timeout_s, fn, *args)

@@ -27,6 +27,8 @@ class Turn:
     prompt_token_ids: tuple[int, ...]
     cache_salt: str
     sampling: SamplingSettings
+    block_hashes: tuple[bytes, ...] = ()
+    """The prompt's block hashes under its salt, computed where the prompt was (empty: the turn computes them)."""
     tenant: str = ""
     """Whose quotas the turn counts against (decode's retained KV, the records)."""
     tool_pause_s: float = 0.0

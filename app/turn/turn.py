@@ -79,8 +79,9 @@ class TurnRun:
         the engine that then streams the reply."""
         turn, config = self.turn, self.loop.config
         # Off the event loop: a long prompt's hashes would stall every other stream of this router.
-        self.ledger.hashes = await asyncio.to_thread(block_hashes, list(turn.prompt_token_ids), config.block_size,
-                                                     turn.cache_salt, config.prefix_hash_seed, config.prefix_hash_algo)
+        self.ledger.hashes = list(turn.block_hashes) or await asyncio.to_thread(
+            block_hashes, list(turn.prompt_token_ids), config.block_size, turn.cache_salt, config.prefix_hash_seed,
+            config.prefix_hash_algo)
         self.started_at = started = time.perf_counter()
         decision = await self._plan()
         planned = time.perf_counter()

@@ -1,7 +1,8 @@
-"""The benchmark client's completion request: exactly the given prompt ids reach the server, and
-the official client's per-token transform of a `prompt` list stays out of the measured time."""
+"""The benchmark client: exactly the given prompt ids reach the server, and a turn is timed from when
+its request leaves (the official client's transform of the body before that is the client's work)."""
 
 import json
+import time
 
 import httpx2
 from openai import OpenAI
@@ -31,3 +32,17 @@ def test_completion_turn_sends_the_prompt_ids_untransformed(monkeypatch):
     assert _stream_of_one_token.body["prompt"] == [5, 6, 9]
     assert result.prompt_ids == [5, 6, 9] and result.output_ids == [7]
     assert walked and all(data.get("prompt") == "" for data in walked if isinstance(data, dict))
+
+
+def test_a_turn_is_timed_from_when_its_request_leaves(monkeypatch):
+    """The client's own preparation of the body (its type transform) is not the server's latency."""
+    real = turn_client.DefaultHttpx2Client
+    monkeypatch.setattr(turn_client, "DefaultHttpx2Client",
+                        lambda **kwargs: real(transport=httpx2.MockTransport(_stream_of_one_token), **kwargs))
+    monkeypatch.setattr("openai._utils._transform._transform_recursive",
+                        lambda data, **kwargs: time.sleep(0.2) or data)
+
+    started = time.perf_counter()
+    result = turn_client.completion_turn(turn_client.timed_client("http://server", "k", 5), [5, 6, 9], 1, model="m")
+
+    assert time.perf_counter() - started >= 0.2 and result.ttft_s < 0.1

@@ -4,15 +4,20 @@ written against are the ones the Serve adapters and the fakes implement."""
 import asyncio
 import subprocess
 import sys
+from dataclasses import replace
+from types import SimpleNamespace
 from unittest.mock import MagicMock
 
 import pytest
 
+from app.config import AppConfig
+from app.kv.hashing import block_hashes
 from app.protocol import Membership, Role, SamplingSettings
 from app.turn.ledger import TurnState
 from app.turn.seams import EngineGroup, KVIndexClient, PrefillGroup
 from app.turn.spec import Turn
 from app.turn.turn import TurnRun
+from deployments.router import Router
 from tests.fakes import DecodeGroup, Index, turn_loop
 from tests.unit.test_engine_faults import PREFILLED, PROMPT, REPLY
 
@@ -56,6 +61,31 @@ def test_a_turn_that_fails_inside_its_block_still_settles_its_handoff():
     asyncio.run(scenario())
     released = [call for group in loop.groups.values() for call in group.release.calls]
     assert released == [PREFILLED.handoff]
+
+
+def test_a_turn_looks_up_the_block_hashes_computed_with_its_prompt(monkeypatch):
+    """The router hashes the prompt in its render thread; the turn does not hash it again."""
+    monkeypatch.setattr("app.turn.turn.block_hashes", lambda *args: pytest.fail("hashed twice"))
+    loop = turn_loop(PREFILLED, DecodeGroup(REPLY))
+    hashes = (b"h0", b"h1")
+
+    async def scenario():
+        async with loop.turn(replace(_turn(), block_hashes=hashes)) as run:
+            await run.prepare()
+        await loop.drain()
+
+    asyncio.run(scenario())
+    assert loop.index.lookup.calls == [list(hashes)]
+
+
+def test_the_router_s_hashes_are_the_turn_s_own():
+    """The router's one render-thread job gives the hashes the turn would compute itself."""
+    config = AppConfig()
+    router = SimpleNamespace(config=config)
+    prompt, hashes = Router.func_or_class._hashed(router, "salt", None, lambda ids: ids, list(PROMPT))
+    assert prompt == list(PROMPT)
+    assert list(hashes) == block_hashes(list(PROMPT), config.block_size, "salt", config.prefix_hash_seed,
+                                        config.prefix_hash_algo)
 
 
 def test_fakes_and_serve_adapters_implement_the_turn_s_seams():
