@@ -126,7 +126,7 @@ class Calibration:
         self.observed_at: dict[str, float] = {}
 
     def observe(self, placed: Estimate, on_decode: bool, measured_ms: float) -> None:
-        """`placed`: the corrected estimate the turn was placed by; `measured_ms`: plan to first chunk."""
+        """`placed`: the corrected estimate the turn was placed by; `measured_ms`: plan to the turn's first token."""
         side = "decode" if on_decode else "prefill"
         self.observed_at[side] = time.monotonic()
         raw = placed.on_decode_ms - placed.decode_residual_ms if on_decode else (

@@ -110,12 +110,12 @@ class Planner:
         return RoutingDecision(prefill_replica_id=prefill_replica_id, action=action, reason=reason,
                                tokens_local=0, tokens_pullable=0, threshold=self.policy.threshold_tokens)
 
-    def observe(self, turn: Turn, decision: RoutingDecision, fallback: bool, prefill_ms: float) -> None:
-        """Fit the placement estimate to the prompt's measured time (not after a fallback: its time says
-        nothing about the estimate)."""
+    def observe(self, turn: Turn, decision: RoutingDecision, fallback: bool, first_token_ms: float) -> None:
+        """Fit the placement estimate to the measured time from plan to the turn's first token (not
+        after a fallback: its time says nothing about the estimate)."""
         if decision.placement is not None and not fallback:
             self.calibrations[turn.later].observe(decision.placement, decision.action == Action.PREFILL_ON_DECODE,
-                                                  prefill_ms)
+                                                  first_token_ms)
 
     def _policy(self, turn: Turn) -> PullPolicy:
         return self.policies[turn.reverse_pull]
@@ -144,7 +144,8 @@ class Planner:
         ahead = self.journal.queued_later_tokens if turn.later and self.config.later_turns_first else (
             self.journal.queued_tokens)
         return place(len(turn.prompt_token_ids), on_prefill, candidates, self.engines.load,
-                     ahead, self.calibrations[turn.later], self.placement, turn.sampling.reads_reply)
+                     ahead, self.calibrations[turn.later], self.placement,
+                     not turn.prefill_samples_first_token(self.config.first_token_from_prefill))
 
     def _on_decode(self, turn: Turn, lookup: PrefixLookup, decode_live: list[str]) -> RoutingDecision | None:
         retained = lookup.retained.retained if lookup.retained else None

@@ -55,3 +55,10 @@ class Turn:
     @property
     def priority(self) -> int:
         return turn_priority(self.later)
+
+    def prefill_samples_first_token(self, enabled: bool) -> bool:
+        """Whether a prefill replica that computes the prompt samples the reply's first token
+        (`enabled`: the config's first_token_from_prefill). Not when stop strings, or sampling that
+        reads the reply (a grammar, penalties, bad words), must see the whole reply in one engine:
+        decode would start them afresh after the first token, which it reads as prompt."""
+        return enabled and not self.sampling.stop and not self.sampling.reads_reply

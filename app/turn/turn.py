@@ -53,7 +53,7 @@ class TurnRun:
         self.prefill: PrefillResult | None = None
         self.log_entry: dict[str, Any] = {}
         """This turn's decision-log entry; decode adds its first-token latency to it."""
-        self.started_at = 0.0
+        self.started_at = self.planned_at = 0.0
         self._reply: ReplyStream | None = None
         """The rest of the reply, already streaming, when the prompt was computed where it decodes."""
         self.conversation: Any = None
@@ -84,11 +84,12 @@ class TurnRun:
             config.prefix_hash_algo)
         self.started_at = started = time.perf_counter()
         decision = await self._plan()
-        planned = time.perf_counter()
+        self.planned_at = planned = time.perf_counter()
         result, self._reply, decision = await self._compute_prompt(decision)
         self.decision, self.prefill = decision, result
         prefill_ms = round((time.perf_counter() - planned) * 1e3, 2)
-        self.loop.planner.observe(turn, decision, decision.reason in FALLBACK_REASONS, prefill_ms)
+        if result.first_chunk is not None:  # else the first token is decode's: observed when it comes
+            self._observe_placement(prefill_ms)
         on_prefill = result.handoff is not None
         measured = {"render_ms": round((started - turn.received_at) * 1e3, 2) if turn.received_at else None,
                     "plan_ms": round((planned - started) * 1e3, 2), "prefill_ms": prefill_ms,
@@ -186,13 +187,8 @@ class TurnRun:
         return result, stream
 
     def _first_token_settings(self) -> SamplingSettings | None:
-        """Prefill samples the first token unless stop strings, or sampling that reads the reply
-        (a grammar, penalties, bad words), must see the whole reply in one engine (decode would
-        start them afresh after the first token, which it reads as prompt)."""
-        settings = self.turn.sampling
-        if not self.loop.config.first_token_from_prefill or settings.stop or settings.reads_reply:
-            return None
-        return settings
+        return self.turn.sampling if self.turn.prefill_samples_first_token(
+            self.loop.config.first_token_from_prefill) else None
 
     # ---- the reply -----------------------------------------------------------------------------------
     async def reply(self) -> AsyncIterator[ReplyChunk]:
@@ -218,6 +214,7 @@ class TurnRun:
                         ledger.handoff_read = stream.request.handoff is not None
                         if first is None:
                             self._first_token_sent()
+                            self._observe_placement((time.perf_counter() - self.planned_at) * 1e3)
                         waiting = False
                     sent.extend(chunk.token_ids)
                     if chunk.finish_reason is not None:
@@ -268,6 +265,15 @@ class TurnRun:
     def _finish(self, retained: RetainedBlocks | None) -> None:
         self.ledger.retained = retained
         self.ledger.advance(TurnState.RECORDED)
+
+    def _observe_placement(self, measured_ms: float) -> None:
+        """Fit the placement estimate to the time from plan to the turn's first token, which is what
+        it estimates. Where decode samples the first token of a prompt computed on prefill, that is
+        decode's first chunk, not prefill's answer: a fit to prefill's answer would learn to drop
+        decode's read and step, the larger the busier decode is, and send tool turns to prefill
+        exactly when decode is slow to answer them."""
+        decision = self.decision
+        self.loop.planner.observe(self.turn, decision, decision.reason in FALLBACK_REASONS, measured_ms)
 
     def _first_token_sent(self) -> None:
         elapsed = time.perf_counter() - self.started_at

@@ -18,7 +18,7 @@ from app.turn.seams import EngineGroup, KVIndexClient, PrefillGroup
 from app.turn.spec import Turn
 from app.turn.turn import TurnRun
 from deployments.router import Router
-from tests.fakes import DecodeGroup, Index, turn_loop
+from tests.fakes import DecodeGroup, Index, Remote, turn_loop
 from tests.unit.test_engine_faults import PREFILLED, PROMPT, REPLY
 
 
@@ -86,6 +86,36 @@ def test_the_router_s_hashes_are_the_turn_s_own():
     assert prompt == list(PROMPT)
     assert list(hashes) == block_hashes(list(PROMPT), config.block_size, "salt", config.prefix_hash_seed,
                                         config.prefix_hash_algo)
+
+
+@pytest.mark.parametrize("first_from_prefill", [True, False])
+def test_placement_is_fitted_to_the_turn_s_first_token(first_from_prefill):
+    """Prefill's answer is the first token only when prefill sampled it; otherwise decode's first
+    chunk is, and the estimate (which counts decode's read and step then) is fitted to that."""
+    decode_s = 0.2
+
+    async def slow_decode(_request):
+        await asyncio.sleep(decode_s)
+        for chunk in REPLY:
+            yield chunk
+
+    decode = DecodeGroup(REPLY)
+    decode.generate = Remote(slow_decode)
+    result = PREFILLED if first_from_prefill else replace(PREFILLED, first_chunk=None)
+    loop = turn_loop(result, decode)
+    observed = []
+    loop.planner.observe = lambda turn, decision, fallback, ms: observed.append(ms)
+
+    async def scenario():
+        async with loop.turn(_turn()) as run:
+            await run.prepare()
+            async for _ in run.reply():
+                pass
+        await loop.drain()
+
+    asyncio.run(scenario())
+    [measured_ms] = observed
+    assert (measured_ms < decode_s * 1e3) if first_from_prefill else (measured_ms >= decode_s * 1e3)
 
 
 def test_fakes_and_serve_adapters_implement_the_turn_s_seams():
