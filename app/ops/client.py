@@ -17,9 +17,9 @@ _sent = threading.local()
 
 def timed_client(url: str, api_key: str, timeout_s: float) -> OpenAI:
     """The official client, no retries, noting when each request is handed to HTTP. A turn's
-    timings count from there: before it, the client's own type transform walks every message (1.4
-    ms for an agent's 4 messages, 3.5 ms for 14), work of the client that a body of prompt ids
-    sent as is (the ideal) never does and no server spends."""
+    timings count from there: before it, the client's own type transform walks every message, the
+    longer the conversation the longer, work of the client that a body of prompt ids sent as is
+    (the ideal) never does and no server spends."""
     http = DefaultHttpx2Client(timeout=timeout_s, event_hooks={"request": [_note_sent]})
     return OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=timeout_s, http_client=http)
 
@@ -84,8 +84,7 @@ def completion_turn(client: OpenAI, prompt_ids: list[int], max_tokens: int, mode
     """A streamed, greedy completion of exactly these prompt token ids (no chat template).
 
     The ids go in the request body as they are: the client's own `prompt` argument walks a token
-    list element by element (openai-python's type transform, about 13 us a token: some 27 ms of
-    the client's work for a 2,000-token prompt)."""
+    list element by element (openai-python's type transform), client work that grows with the prompt."""
     body = {"return_token_ids": True, "ignore_eos": True, **extra, "prompt": prompt_ids}
     kwargs = dict(model=model, prompt="", max_tokens=max_tokens, temperature=0, extra_body=body)
     return _streamed(client.completions.create, kwargs, lambda choice: choice["text"])
