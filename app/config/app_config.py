@@ -16,6 +16,7 @@ from app.config.engines import (
     EngineGroupConfig,
     default_engine_kwargs,
     engine_kwargs_problems,
+    tool_strict_level_problems,
 )
 from app.config.limits import Limits
 from app.config.placement import Placement, ReplicaRuntime
@@ -39,6 +40,12 @@ class AppConfig:
     tool_call_parser: Str = "hermes"
     """vLLM's tool parser for the model family ("hermes" for Qwen3's JSON calls). Empty: requests
     offering `tools` get 400 unless their tool_choice is "none"."""
+    tool_strict_level: Str = "auto"
+    """vLLM's server's `--tool-strict-level`, with its meaning: "auto" holds a required or named
+    call's arguments to the tool's schema only for tools marked `strict`; "function" constrains every
+    request with tools to a well-formed call envelope; "parameter" also holds every tool's arguments
+    to its schema, as if each were `strict` (agents that send schemas without `strict` get calls
+    their code can parse)."""
     reasoning_parser: Str = ""
     """vLLM's reasoning parser ("qwen3" for Qwen3): replies carry their reasoning apart from
     `content`, and a grammar starts where it ends. Empty: the reasoning stays in `content`."""
@@ -185,7 +192,8 @@ class AppConfig:
     def _relations(self) -> "AppConfig":
         groups = {name: getattr(self, name).engine_kwargs for name in GROUPS}
         scheduler = {name: self.scheduler_args(name) for name in GROUPS}
-        refuse(relation_problems(self) + engine_kwargs_problems(self.engine_kwargs, groups, scheduler))
+        refuse(relation_problems(self) + engine_kwargs_problems(self.engine_kwargs, groups, scheduler)
+               + tool_strict_level_problems(self.tool_strict_level))
         return self
 
     def engine_kwargs_of(self, group: str) -> dict[str, Any]:

@@ -94,6 +94,20 @@ def engine_kwargs_problems(top: Mapping[str, Any], groups: Mapping[str, Mapping[
                        if (problem := _scheduler_problem(args))]
 
 
+def tool_strict_level_problems(level: str) -> list[str]:
+    """What vLLM's own parsing of `--tool-strict-level` refuses in `tool_strict_level`; vLLM is
+    imported only for a level other than its default."""
+    if level == "auto":
+        return []
+    from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
+
+    try:
+        ToolStrictLevel.from_name(level)
+    except ValueError as error:
+        return [f"tool_strict_level: {error}"]
+    return []
+
+
 def _scheduler_problem(args: Mapping[str, Any]) -> str:
     from pydantic import ValidationError
     from vllm.config import SchedulerConfig

@@ -34,16 +34,19 @@ class ReplyParsing:
             if config.model == TINY_MODEL:
                 ensure_tiny_model(config.model_path())
             tokenizer = AutoTokenizer.from_pretrained(str(config.model_path()))
-        return cls(tokenizer, config.tool_call_parser, config.reasoning_parser, config.model_name)
+        return cls(tokenizer, config.tool_call_parser, config.reasoning_parser, config.model_name,
+                   config.tool_strict_level)
 
-    def __init__(self, tokenizer: Any, tool_call_parser: str, reasoning_parser: str, model_name: str) -> None:
+    def __init__(self, tokenizer: Any, tool_call_parser: str, reasoning_parser: str, model_name: str,
+                 tool_strict_level: str = "auto") -> None:
         from vllm.parser import ParserManager
 
         self.tokenizer, self.auto_tools = tokenizer, bool(tool_call_parser)
         self.reasoning = bool(reasoning_parser)
         self.parser_cls = ParserManager.get_parser(
             tool_parser_name=tool_call_parser or None, reasoning_parser_name=reasoning_parser or None,
-            enable_auto_tools=self.auto_tools, model_name=model_name, tokenizer=tokenizer)
+            enable_auto_tools=self.auto_tools, model_name=model_name, tool_strict_level=tool_strict_level,
+            tokenizer=tokenizer)
 
     def applies(self, body: ChatCompletionRequest) -> bool:
         """Whether a reply to `body` is parsed: it offers tools, or a reasoning parser runs."""
@@ -81,8 +84,9 @@ class ReplyParsing:
         tag = getattr(structured, "structural_tag", None) if structured is not None else None
         schema = getattr(structured, "json", None) if structured is not None else None
         if (tag or schema) and sampling.grammar:
-            raise BadRequest("tool_choice: a required or named tool choice cannot be combined with another "
-                             "structured output (structured_outputs, response_format)")
+            raise BadRequest("tool_choice: a tool-call grammar (a required or named tool choice, or any tools "
+                             "under this server's tool_strict_level) cannot be combined with another structured "
+                             "output (structured_outputs, response_format)")
         return replace(sampling, skip_special_tokens=request.skip_special_tokens,
                        structural_tag=tag or sampling.structural_tag,
                        json_schema=json.dumps(schema) if isinstance(schema, dict) else schema or sampling.json_schema)

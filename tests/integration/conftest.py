@@ -13,8 +13,9 @@ import ray
 from openai import OpenAI
 
 from app.config import load_config
+from app.ops import faults
 from app.ops.client import TurnResult, chat_turn
-from app.ops.launch import start_local, stop_local
+from app.ops.launch import replace_app, start_local, stop_local
 from app.ops.oracle import start_reference
 
 SYSTEM_PROMPT = "You are a helpful assistant. " + " ".join(
@@ -54,6 +55,13 @@ def base_url(app_config):
     os.environ.setdefault(INGRESS_DRAIN_ENV, "1")
     yield start_local(app_config)
     stop_local()
+
+
+def run_own_app(base_url: str, config):
+    """An `own_app` module's app in place of the session's, whole (every replica up, engines live) on return."""
+    replace_app(config)
+    faults.wait_whole(base_url)
+    return config
 
 
 def make_client(base_url: str, api_key: str = "unused") -> OpenAI:

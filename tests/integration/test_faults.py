@@ -14,8 +14,7 @@ import ray
 from app.kv.hashing import common_prefix_len
 from app.ops import faults
 from app.ops.client import chat_turn
-from app.ops.launch import replace_app
-from tests.integration.conftest import SYSTEM_PROMPT, make_client, reference_ids
+from tests.integration.conftest import SYSTEM_PROMPT, make_client, reference_ids, run_own_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 MAX_TOKENS = 16
@@ -102,9 +101,7 @@ def two_routers_small_decode_pool(app_config, base_url):
     """The app again with two router replicas and a decode pool of 200 blocks (6,400 tokens)."""
     small_pool = replace(app_config.decode, engine_kwargs={"num_gpu_blocks_override": 200})
     config = replace(app_config, router_replicas=2, decode=small_pool)
-    replace_app(config)
-    faults.wait_whole(base_url)
-    return config
+    return run_own_app(base_url, config)
 
 
 @pytest.mark.own_app

@@ -8,9 +8,7 @@ from dataclasses import replace
 import pytest
 import ray
 
-from app.ops import faults
-from app.ops.launch import replace_app
-from tests.integration.conftest import SYSTEM_PROMPT, decisions_by_request
+from tests.integration.conftest import SYSTEM_PROMPT, decisions_by_request, run_own_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]
 MAX_TOKENS = 16
@@ -18,10 +16,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def reasoning_app(base_url, app_config):
-    config = replace(app_config, reasoning_parser="qwen3")
-    replace_app(config)
-    faults.wait_whole(base_url)
-    return config
+    return run_own_app(base_url, replace(app_config, reasoning_parser="qwen3"))
 
 
 def _turn(client, messages: list[dict], stream: bool, **body) -> dict:

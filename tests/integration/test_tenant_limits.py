@@ -10,8 +10,7 @@ import pytest
 
 from app.config import Limits
 from app.ops import faults
-from app.ops.launch import replace_app
-from tests.integration.conftest import make_client
+from tests.integration.conftest import make_client, run_own_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]
 LIMITS = {"router_max_ongoing_requests": 8, "router_max_queued_requests": 8, "tenant_share": 0.25}
@@ -23,8 +22,7 @@ LONG = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_to
 @pytest.fixture(scope="module")
 def small_limits(base_url, app_config):
     limits = replace(app_config.limits, **LIMITS)
-    replace_app(replace(app_config, limits=limits, engine_max_num_seqs=8))
-    faults.wait_whole(base_url)
+    run_own_app(base_url, replace(app_config, limits=limits, engine_max_num_seqs=8))
     return limits
 
 

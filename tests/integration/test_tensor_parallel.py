@@ -10,8 +10,7 @@ import psutil
 import pytest
 
 from app.ops import faults
-from app.ops.launch import replace_app
-from tests.integration.conftest import SYSTEM_PROMPT, USER_TURNS, reference_ids, run_conversation
+from tests.integration.conftest import SYSTEM_PROMPT, USER_TURNS, reference_ids, run_conversation, run_own_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]
 MAX_TOKENS = 24
@@ -19,8 +18,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def two_rank_engines(base_url, app_config):
-    replace_app(replace(app_config, tensor_parallel_size=2))
-    faults.wait_whole(base_url)
+    run_own_app(base_url, replace(app_config, tensor_parallel_size=2))
     return base_url
 
 

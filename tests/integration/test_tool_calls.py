@@ -4,12 +4,13 @@ turn's exact tokens. The oracle: one plain vLLM engine fed the same prompt ids a
 vLLM's parser builds for the same request; its text, parsed by that parser, gives the same calls."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import ray
 from openai import OpenAI
 
-from tests.integration.conftest import SYSTEM_PROMPT, decisions_by_request
+from tests.integration.conftest import SYSTEM_PROMPT, decisions_by_request, run_own_app
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 128
@@ -38,23 +39,25 @@ def no_blank_json(app_config) -> dict[str, float]:
     return blank_token_bias(AutoTokenizer.from_pretrained(str(app_config.model_path())))
 
 
-def _vllm_parser(model_path: str):
+def _vllm_parser(model_path: str, strict_level: str):
     from transformers import AutoTokenizer
     from vllm.parser import ParserManager
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    return tokenizer, ParserManager.get_parser(tool_parser_name="hermes", enable_auto_tools=True, tokenizer=tokenizer)
+    return tokenizer, ParserManager.get_parser(tool_parser_name="hermes", enable_auto_tools=True,
+                                               tool_strict_level=strict_level, tokenizer=tokenizer)
 
 
-def _vllm_request(messages: list[dict], tool_choice) -> object:
+def _vllm_request(messages: list[dict], tool_choice, tools: list[dict]) -> object:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    return ChatCompletionRequest(model="tiny-qwen3", messages=messages, tools=TOOLS, tool_choice=tool_choice)
+    return ChatCompletionRequest(model="tiny-qwen3", messages=messages, tools=tools, tool_choice=tool_choice)
 
 
-def _turn(client: OpenAI, messages: list[dict], tool_choice, stream: bool, bias: dict[str, float]) -> dict:
+def _turn(client: OpenAI, messages: list[dict], tool_choice, stream: bool, bias: dict[str, float],
+          tools: list[dict] = TOOLS) -> dict:
     """One turn as the app answers it: the message, its token ids and the response's id."""
-    kwargs = dict(model="tiny-qwen3", messages=messages, tools=TOOLS, tool_choice=tool_choice, temperature=0,
+    kwargs = dict(model="tiny-qwen3", messages=messages, tools=tools, tool_choice=tool_choice, temperature=0,
                   max_tokens=MAX_TOKENS, logit_bias=bias, extra_body=BODY)
     if not stream:
         response = client.chat.completions.create(**kwargs).model_dump()
@@ -78,12 +81,13 @@ def _turn(client: OpenAI, messages: list[dict], tool_choice, stream: bool, bias:
 
 
 def _oracle(reference, app_config, turn: dict, messages: list[dict], tool_choice, bias: dict[str, float],
-            stream: bool) -> tuple[list[int], list]:
-    """The plain engine's ids for the turn's prompt under vLLM's grammar for the request, and the
-    calls vLLM's parser reads in its text: whole, or token by token as vLLM's server streams them
-    (its streamed arguments are the model's text, its whole ones re-serialized)."""
-    tokenizer, parser_cls = _vllm_parser(str(app_config.model_path()))
-    request = _vllm_request(messages, tool_choice)
+            stream: bool, tools: list[dict] = TOOLS) -> tuple[list[int], list]:
+    """The plain engine's ids for the turn's prompt under vLLM's grammar for the request (its server
+    run with the app's `tool_strict_level`), and the calls vLLM's parser reads in its text: whole, or
+    token by token as vLLM's server streams them (its streamed arguments are the model's text, its
+    whole ones re-serialized)."""
+    tokenizer, parser_cls = _vllm_parser(str(app_config.model_path()), app_config.tool_strict_level)
+    request = _vllm_request(messages, tool_choice, tools)
     request = parser_cls(tokenizer, request.tools, chat_template_kwargs={}, model_config=None).adjust_request(
         request=request)
     ids, text = ray.get(reference.replies.remote([turn["prompt_ids"]], MAX_TOKENS, None, {
@@ -146,3 +150,28 @@ def test_tools_the_request_does_not_offer_or_bad_tool_choices_are_a_400(http):
                         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice")):
         response = http.post("/v1/chat/completions", json={**base, **body})
         assert response.status_code == 400 and field in response.json()["error"]["message"], response.text
+
+
+@pytest.fixture(scope="module")
+def parameter_strict(app_config, base_url):
+    """The app again, as vLLM's server run with `--tool-strict-level parameter`."""
+    return run_own_app(base_url, replace(app_config, tool_strict_level="parameter"))
+
+
+@pytest.mark.own_app
+def test_tool_strict_level_parameter_holds_tools_without_strict_to_their_schema(
+        parameter_strict, client, reference, no_blank_json):
+    """Tools as most agent frameworks send them, without `strict`: under vLLM's default their
+    arguments are free JSON (the random weights answer `null`); here they follow the schema, with
+    the same ids and calls as the plain engine under vLLM's grammar for that level."""
+    loose = [{"type": "function", "function": {k: v for k, v in t["function"].items() if k != "strict"}}
+             for t in TOOLS]
+    messages = [{"role": "system", "content": f"Loose tools. {SYSTEM_PROMPT}"},
+                {"role": "user", "content": "What is the weather in Oslo?"}]
+    for stream in (False, True):
+        turn = _turn(client, messages, NAMED, stream, no_blank_json, loose)
+        ids, calls = _oracle(reference, parameter_strict, turn, messages, NAMED, no_blank_json, stream, loose)
+        assert turn["output_ids"] == ids, f"stream={stream}"
+        got = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+               for c in turn["message"]["tool_calls"]]
+        assert got == calls and json.loads(got[0]["arguments"])["city"] in CITY["enum"], (stream, got)

@@ -129,6 +129,7 @@ def test_a_config_file_that_is_not_a_mapping_is_refused(tmp_path):
     ({"placement.probe_tokens": "16"}, "placement.probe_tokens must be >= 32"),
     ({"engine_nice": "20"}, "engine_nice must be <= 19"),
     ({"nixl_backends": ""}, "nixl_backends must have at least 1"),
+    ({"tool_strict_level": "schema"}, "tool_strict_level: Unknown tool strict level 'schema'"),
 ])
 def test_bad_config_is_refused_with_the_reason(args, message):
     with pytest.raises(ValueError, match=message):

@@ -43,6 +43,16 @@ def test_a_named_or_required_tool_choice_gets_vllm_s_structural_tag(tokenizer):
     assert auto.structural_tag is None and not auto.reads_reply
 
 
+@pytest.mark.parametrize("level, schema", [("auto", True), ("parameter", WEATHER["function"]["parameters"])])
+def test_tool_strict_level_holds_a_tool_without_strict_to_its_schema_as_vllm_s_server_does(tokenizer, level, schema):
+    """The tool is not marked `strict`: under vLLM's default its call's arguments are free JSON
+    (random weights answer `null`), under "parameter" they are held to its schema."""
+    parsing = ReplyParsing(tokenizer, "hermes", "", "tiny-qwen3", level)
+    sampling = parsing.constrain(_body(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                                 SamplingSettings())
+    assert json.loads(sampling.structural_tag)["format"]["tags"][0]["content"]["json_schema"] == schema
+
+
 def test_vllm_s_request_checks_refuse_a_tool_choice_that_names_no_offered_tool(tokenizer):
     with pytest.raises(BadRequest, match="tool_choice"):
         _parsing(tokenizer).constrain(_body(tool_choice={"type": "function", "function": {"name": "other"}}),
