@@ -106,11 +106,12 @@ def plan_task(tokenizer, preset: Preset, nonce: str, seed: int) -> AgentTask:
 
 
 def call_bias(config: AppConfig, tokenizer) -> dict:
-    """The embedded model's calls need its blank_token_bias to end (every system gets it)."""
+    """The embedded model's calls need its blank_token_bias to end (every system gets it), whether
+    the benchmark started it or reaches it by --url (which names the model by its served name)."""
     from app.config import TINY_MODEL
     from app.model.tiny import blank_token_bias
 
-    return {"logit_bias": blank_token_bias(tokenizer)} if config.model == TINY_MODEL else {}
+    return {"logit_bias": blank_token_bias(tokenizer)} if config.model_name == TINY_MODEL else {}
 
 
 def chat_sender(client, task: AgentTask, extra: dict, bias: dict):
