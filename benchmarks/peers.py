@@ -48,7 +48,7 @@ def peer_parsers(config: AppConfig) -> dict:
     """The app's tool and reasoning parsers, as vLLM's server arguments (Serve LLM takes them
     among its engine arguments)."""
     tools = {"enable_auto_tool_choice": True, "tool_call_parser": config.tool_call_parser,
-             **({"tool_strict_level": config.tool_strict_level} if config.tool_strict_level != "auto" else {})}
+             "tool_strict_level": config.tool_strict_level}
     return {**(tools if config.tool_call_parser else {}),
             **({"reasoning_parser": config.reasoning_parser} if config.reasoning_parser else {})}
 

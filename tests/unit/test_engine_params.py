@@ -73,6 +73,9 @@ def test_the_engine_scheduler_limits_come_from_the_config_and_the_peers_get_the_
     assert (flags["--max-num-seqs"], flags["--max-num-batched-tokens"], flags["--scheduling-policy"],
             flags["--dtype"]) == ("96", "1024", "fcfs", "float32")
     assert {"--enforce-eager", "--enable-prompt-tokens-details", "--enable-prefix-caching"} <= set(command)
+    assert (flags["--tool-call-parser"], flags["--tool-strict-level"]) == ("hermes", "auto")
+    assert all(peer[group]["engine_kwargs"]["tool_strict_level"] == "auto"
+               for group in ("prefill_config", "decode_config"))
     assert args.scheduler_cls is None and "--scheduler-cls" not in command, "FCFS: vLLM's own scheduler"
 
 
