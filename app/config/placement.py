@@ -35,8 +35,9 @@ class Placement:
     """The least of an engine's last this many probes is its compute cost: a larger window ignores
     probes slowed by other processes longer, and follows a real slowdown later."""
     calibration_ttl_s: Delay = 10.0
-    """A side's calibration that no turn has refreshed for this long is forgotten and its turns are
-    estimated by the formula alone: shorter drops a fit learned under an old load sooner."""
+    """A side's calibration that no turn has refreshed for this long is forgotten, and turns are
+    estimated by the formula alone on both sides until both are measured again: shorter drops a
+    fit learned under an old load sooner."""
     predicted_block_ttl_s: Seconds = 300.0
     """How long the KV index counts a prefill block the router predicted but no KV event confirmed:
     longer credits a replica's cache for longer after events stop arriving."""

@@ -114,10 +114,12 @@ class Calibration:
     the first turns' errors onto the appends: it goes negative enough that every append looks free
     on both sides.
 
-    A side's fit that no turn has refreshed for `ttl_s` is forgotten: its turns are estimated by
-    the formula alone until one comes back. A fit learned under one load would stand through the
-    next and keep turns off its side, so nothing measures it again: an offset from a burst (or from
-    warm-up turns) sends every later turn to the other side, and they queue there."""
+    A side's fit that no turn has refreshed for `ttl_s` is forgotten. A fit learned under one load
+    would stand through the next and keep turns off its side, so nothing measures it again: an
+    offset from a burst (or from warm-up turns) sends every later turn to the other side, and they
+    queue there. The fits correct both sides or neither: what the formula misses on both (Serve's
+    hops, an engine's admission and delivery) charged to one side alone would send a lone agent's
+    turn, after a tool pause longer than `ttl_s`, to the side that was forgotten."""
 
     def __init__(self, ttl_s: float = 10.0, alpha: float = 0.05, slope_range: tuple[float, float] = (0.25, 4.0),
                  min_spread_ms: float = 10.0) -> None:
@@ -135,6 +137,8 @@ class Calibration:
 
     def corrected(self, raw: Estimate) -> Estimate:
         self._forget_stale(time.monotonic())
+        if len(self.observed_at) < len(self.fits):
+            return raw
         on_prefill = round(self.fits["prefill"].predict(raw.on_prefill_ms), 3)
         on_decode = round(self.fits["decode"].predict(raw.on_decode_ms), 3)
         return replace(raw, on_prefill_ms=on_prefill, on_decode_ms=on_decode,

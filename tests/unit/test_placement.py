@@ -46,7 +46,7 @@ def test_running_streams_count_against_decode():
 def test_calibration_fits_the_wait_and_leaves_the_streams_stall_as_charged():
     """Fitted with the wait, the stall looked like estimation error and the slope scaled it away."""
     busy = LoadReport(num_running_reqs=64, compute_s_per_token=COST)
-    calibration = Calibration(alpha=0.5)
+    calibration = _other_side_seen(Calibration(alpha=0.5), fitted="decode")
     for n in (256, 1024) * 10:
         raw = estimate(n, 0, n, IDLE, busy, 0, 0, POLICY)
         calibration.observe(calibration.corrected(raw), on_decode=True, measured_ms=raw.on_decode_ms)
@@ -105,8 +105,16 @@ def test_hard_limits_keep_a_prompt_off_decode():
     assert not decode_allowed(100, LoadReport(), POLICY)  # not measured yet
 
 
+def _other_side_seen(calibration: Calibration, fitted: str) -> Calibration:
+    """The fits correct both sides or neither: the side a test does not fit, measured as estimated."""
+    raw = estimate(64, 0, 64, IDLE, IDLE, 0, 0, POLICY)
+    on_decode = fitted == "prefill"
+    calibration.observe(raw, on_decode, raw.on_decode_ms if on_decode else raw.on_prefill_ms)
+    return calibration
+
+
 def test_calibration_learns_an_offset_the_estimates_miss():
-    calibration = Calibration(alpha=0.5)
+    calibration = _other_side_seen(Calibration(alpha=0.5), fitted="prefill")
     raw = estimate(1024, 0, 1024, IDLE, IDLE, 0, 0, POLICY)
     for _ in range(20):
         calibration.observe(calibration.corrected(raw), on_decode=False, measured_ms=raw.on_prefill_ms + 12.0)
@@ -119,7 +127,7 @@ def test_calibration_learns_an_offset_the_estimates_miss():
 def test_calibration_scales_with_the_size_so_first_turns_errors_do_not_land_on_appends():
     """Under load long first turns came in at half their estimate and short appends 40 ms over
     theirs: an offset alone would make every append's estimate negative."""
-    calibration = Calibration(alpha=0.1)
+    calibration = _other_side_seen(Calibration(alpha=0.1), fitted="prefill")
     first, append = (estimate(n, 0, n, IDLE, IDLE, queued, 0, POLICY) for n, queued in ((1024, 60_000), (128, 0)))
     for _ in range(40):
         for raw in (first, append):
@@ -130,7 +138,7 @@ def test_calibration_scales_with_the_size_so_first_turns_errors_do_not_land_on_a
 
 
 def test_calibration_keeps_its_slope_in_range_and_its_estimates_non_negative():
-    calibration = Calibration(alpha=0.5)
+    calibration = _other_side_seen(Calibration(alpha=0.5), fitted="decode")
     small, large = (estimate(n, 0, n, IDLE, IDLE, 0, 0, POLICY) for n in (64, 4096))
     for _ in range(20):  # the larger estimate measured faster: a negative slope, clamped to the range's floor
         calibration.observe(calibration.corrected(small), on_decode=True, measured_ms=200.0)
@@ -279,7 +287,7 @@ def test_a_later_turn_is_estimated_behind_the_later_turns_queued_only_which_engi
     assert prepared.log_entry["placement"]["decode_queued_tokens"] == 300
 
 
-def test_a_fit_no_turn_has_refreshed_for_its_ttl_is_forgotten_and_its_side_estimated_raw_again():
+def test_a_fit_no_turn_has_refreshed_for_its_ttl_is_forgotten_and_both_sides_estimated_raw_again():
     from app.protocol import Estimate
 
     calibration = Calibration(ttl_s=10.0, alpha=0.5)
@@ -289,8 +297,26 @@ def test_a_fit_no_turn_has_refreshed_for_its_ttl_is_forgotten_and_its_side_estim
     assert not calibration.corrected(raw).decode_wins  # and is kept off decode
     calibration.observed_at["decode"] -= 11.0  # no turn has gone there since
     fresh = calibration.corrected(raw)
-    assert fresh.decode_wins and fresh.on_decode_ms == 15.0 and fresh.on_prefill_ms == 120.0
+    assert fresh.decode_wins and fresh.on_decode_ms == 15.0 and fresh.on_prefill_ms == 20.0
     assert "decode" not in calibration.observed_at
+    calibration.observe(fresh, on_decode=True, measured_ms=30.0)  # both seen again: both corrected
+    assert calibration.corrected(raw).on_prefill_ms == 120.0 and calibration.corrected(raw).on_decode_ms == 30.0
+
+
+def test_a_lone_agent_s_turn_after_a_long_tool_pause_stays_on_decode():
+    """One task: every tool turn ran on decode, so prefill's fit (+57 ms the formula misses on it)
+    went stale; placed by prefill's raw estimate against decode's corrected one (+40 ms the formula
+    misses on decode too), one turn in six went to prefill at 72-173 ms against 63-122 on decode."""
+    from app.protocol import Estimate
+
+    calibration = Calibration(ttl_s=10.0, alpha=0.5)
+    raw = Estimate(30.0, 20.0, 0, 0, 0, 0.0, 60.0, 60.0, 3.0)
+    calibration.observe(raw, on_decode=False, measured_ms=87.0)
+    calibration.observe(raw, on_decode=True, measured_ms=60.0)
+    assert calibration.corrected(raw).decode_wins
+    calibration.observed_at["prefill"] -= 11.0  # a tool pause, and turns only on decode before it
+    calibration.observe(raw, on_decode=True, measured_ms=60.0)
+    assert calibration.corrected(raw).decode_wins
 
 
 def test_a_burst_placed_between_heartbeats_sees_the_streams_this_router_opened_on_decode():
