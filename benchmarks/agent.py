@@ -42,7 +42,7 @@ from benchmarks import history
 from benchmarks.multi_turn import app_decisions, key_value, warm_up
 from benchmarks.report import Row, percentile
 from benchmarks.sweep import Conversation, converse, rows_for
-from benchmarks.sweep_summary import APP_EXTRA, LevelSummary
+from benchmarks.sweep_summary import APP_EXTRA, LevelSummary, core_handicap
 from benchmarks.target import NO_KEY, PEERS_ARE_LOCAL, Target, add_target_args, resolve_target
 from benchmarks.workload import load_tokenizer, openai_client, text_of_tokens
 
@@ -235,6 +235,7 @@ def summarize(rows: list[Row], block_size: int, preset_name: str) -> str:
             lines.append(f"| {level} | {system} | {sum(not r.error for r in group)} | {s.first_p50 * 1e3:.0f} | "
                          f"{s.later_p50 * 1e3:.0f} / {s.later_p99 * 1e3:.0f} | {s.prefilled_over_ideal:.2f}x | "
                          f"{statistics.median(reused):.3f} / {percentile(reused, 5):.3f} | {s.failed} |")
+    lines += core_handicap({r.system for r in rows})
     lines += ["", "Targets (issue 36), app at each level:"]
     for level in sorted({n for _, n in table}):
         mine = table.get(("app", level))

@@ -1,6 +1,7 @@
 """The concurrency sweep's summary: each system at each level, the app's ratios over its peers,
 where its CPU went and how fast the machine ran, from the rows and CPU use benchmarks.sweep records."""
 
+import os
 import statistics
 from collections import Counter
 from dataclasses import dataclass
@@ -65,6 +66,15 @@ TARGETS = {"later_p50": ("ideal", 1.5, "<="), "later_p99": ("ideal", 2.0, "<="),
 """Issue 14's targets at 32 and 64 conversations: the app's value over the ideal's."""
 
 
+def core_handicap(systems) -> list[str]:
+    """What the app's rows carry against a one-engine peer's, written beside the results (the peers
+    get the same engine settings and prompt tokens; the cores cannot be split the same way)."""
+    if not {"ideal", "vllm"} & set(systems):
+        return []
+    return ["", f"Handicap: the ideal and vLLM's chat API run one engine on all {os.cpu_count()} cores; the app's "
+            "and Ray Serve LLM's prefill and decode engines one core each, and the app's serving path shares them."]
+
+
 def summarize(rows: list[Row], config: AppConfig) -> str:
     levels = sorted({r.concurrency for r in rows})
     systems = list(dict.fromkeys(r.system for r in rows))
@@ -77,6 +87,7 @@ def summarize(rows: list[Row], config: AppConfig) -> str:
                      f"{s.later_p99 * 1e3:.0f} | {s.itl_p50 * 1e3:.1f} | {s.requests_per_s:.2f} | "
                      f"{s.tokens_per_s:.0f} | {s.one_burst:.2f} | {s.later_hits:.2f} | "
                      f"{s.prefilled_over_ideal:.2f}x | {s.failed} |")
+    lines += core_handicap(systems)
     lines += ["", "Where the app computed prompts (share of turns on decode, first turns / later turns):"]
     for system in (s for s in systems if s in APP_EXTRA):
         shares = []

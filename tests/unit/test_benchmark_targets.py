@@ -150,6 +150,17 @@ def test_the_sweep_summary_of_the_app_alone_computes_no_ratio():
                                                  "conversations):\n- not computed: no peer ran")
 
 
+def test_a_summary_with_a_one_engine_peer_writes_the_core_handicap_beside_the_results():
+    from benchmarks.agent import summarize as agent_summary
+    from benchmarks.sweep_summary import summarize
+
+    rows = [Row("c2", system, 0, turn, started_s, 1000 + 100 * turn, 32, 0, 1000, 0.1, 0.01, 1.0, "", 0, 0, 0.0, 0.0,
+                0.0, concurrency=2) for system in ("app", "ideal") for turn, started_s in ((1, 0.0), (2, 4.0))]
+    handicap = "Handicap: the ideal and vLLM's chat API run one engine on all"
+    assert handicap in summarize(rows, AppConfig()) and handicap in agent_summary(rows, 64, "cpu")
+    assert handicap not in summarize([r for r in rows if r.system == "app"], AppConfig())
+
+
 def test_multi_turn_against_a_url_refuses_the_local_peers():
     from benchmarks.multi_turn import run
 
