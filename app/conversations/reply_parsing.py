@@ -16,6 +16,7 @@ from typing import Any
 from app.config import TINY_MODEL, AppConfig
 from app.conversations.openai_api import ChatCompletionRequest
 from app.conversations.rendering import BadRequest
+from app.engine.adapter import structured_outputs
 from app.model.tiny import ensure_tiny_model
 from app.protocol import SamplingSettings
 
@@ -72,24 +73,29 @@ class ReplyParsing:
                                model_config=None)
 
     def constrain(self, body: ChatCompletionRequest, sampling: SamplingSettings) -> SamplingSettings:
-        """The sampling vLLM's parser asks for: its structural tag for a `required` or named tool
-        choice, special tokens kept where the parser reads them."""
+        """The sampling vLLM's parser asks for: its structural tag for the tool calls the request
+        allows (with an `auto` choice and a structured output, a tag that admits either, as vLLM
+        merges them), special tokens kept where the parser reads them. A `required` or named choice
+        forces a call, and vLLM's server then drops the structured output with a warning: refused
+        here, since the client would get a 200 that ignored what it asked."""
         if body.tools is None and body.tool_choice is None and not self.reasoning:
             return sampling
         request = self.vllm_request(body)
         if self.parser_cls is None:
             return sampling
+        asked = structured_outputs(sampling) if request.tools and request.tool_choice != "none" else None
+        request.structured_outputs = asked
         request = self._parser(request).adjust_request(request=request)
-        structured = request.structured_outputs
-        tag = getattr(structured, "structural_tag", None) if structured is not None else None
-        schema = getattr(structured, "json", None) if structured is not None else None
-        if (tag or schema) and sampling.grammar:
-            raise BadRequest("tool_choice: a tool-call grammar (a required or named tool choice, or any tools "
-                             "under this server's tool_strict_level) cannot be combined with another structured "
-                             "output (structured_outputs, response_format)")
-        return replace(sampling, skip_special_tokens=request.skip_special_tokens,
-                       structural_tag=tag or sampling.structural_tag,
-                       json_schema=json.dumps(schema) if isinstance(schema, dict) else schema or sampling.json_schema)
+        grammar = request.structured_outputs
+        if asked is not None and grammar is not asked and _named_or_required(request):
+            raise BadRequest("tool_choice: a required or named tool choice forces a tool call, which vLLM's server "
+                             "answers ignoring structured_outputs and response_format: send one or the other")
+        if grammar is None or grammar is asked:
+            return replace(sampling, skip_special_tokens=request.skip_special_tokens)
+        schema = grammar.json
+        return replace(sampling, skip_special_tokens=request.skip_special_tokens, regex=grammar.regex,
+                       json_schema=json.dumps(schema) if isinstance(schema, dict) else schema,
+                       json_object=bool(grammar.json_object), structural_tag=grammar.structural_tag)
 
     def message(self, request, text: str, token_ids: list[int]) -> tuple[dict[str, Any], bool]:
         """The assistant message of a finished reply as vLLM's server returns it, and whether it

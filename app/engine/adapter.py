@@ -24,11 +24,8 @@ from app.protocol import EngineEndpoint, EngineTiming, KVHandoff, LoadReport, Ro
 def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, Any]):
     """vLLM's SamplingParams of a request; its constructor refuses what vLLM would not run (the
     router builds them with this same function to refuse a request before any engine sees it)."""
-    from vllm.sampling_params import SamplingParams, StructuredOutputsParams  # `from vllm` imports lazily per call
+    from vllm.sampling_params import SamplingParams  # `from vllm` imports lazily per call
 
-    structured = StructuredOutputsParams(
-        regex=settings.regex, json=settings.json_schema, json_object=settings.json_object or None,
-        structural_tag=settings.structural_tag) if settings.grammar else None
     allowed = settings.allowed_token_ids
     # from_optional: vLLM's own mapping of request values (logit_bias keys to token ids, clamped)
     return SamplingParams.from_optional(
@@ -41,7 +38,17 @@ def sampling_params(settings: SamplingSettings, kv_transfer_params: dict[str, An
         logit_bias=dict(settings.logit_bias) or None, allowed_token_ids=None if allowed is None else list(allowed),
         skip_special_tokens=settings.skip_special_tokens,
         spaces_between_special_tokens=settings.spaces_between_special_tokens, logprobs=settings.logprobs,
-        structured_outputs=structured, extra_args={"kv_transfer_params": kv_transfer_params})
+        structured_outputs=structured_outputs(settings), extra_args={"kv_transfer_params": kv_transfer_params})
+
+
+def structured_outputs(settings: SamplingSettings):
+    """vLLM's StructuredOutputsParams of the settings' grammar; None without one."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if not settings.grammar:
+        return None
+    return StructuredOutputsParams(regex=settings.regex, json=settings.json_schema,
+                                   json_object=settings.json_object or None, structural_tag=settings.structural_tag)
 
 
 def token_logprobs(completion: Any) -> tuple[TokenLogprobs, ...] | None:

@@ -48,17 +48,19 @@ def _vllm_parser(model_path: str, strict_level: str):
                                                tool_strict_level=strict_level, tokenizer=tokenizer)
 
 
-def _vllm_request(messages: list[dict], tool_choice, tools: list[dict]) -> object:
+def _vllm_request(messages: list[dict], tool_choice, tools: list[dict], response_format: dict | None) -> object:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    return ChatCompletionRequest(model="tiny-qwen3", messages=messages, tools=tools, tool_choice=tool_choice)
+    return ChatCompletionRequest(model="tiny-qwen3", messages=messages, tools=tools, tool_choice=tool_choice,
+                                 response_format=response_format)
 
 
 def _turn(client: OpenAI, messages: list[dict], tool_choice, stream: bool, bias: dict[str, float],
-          tools: list[dict] = TOOLS) -> dict:
+          tools: list[dict] = TOOLS, response_format: dict | None = None) -> dict:
     """One turn as the app answers it: the message, its token ids and the response's id."""
     kwargs = dict(model="tiny-qwen3", messages=messages, tools=tools, tool_choice=tool_choice, temperature=0,
-                  max_tokens=MAX_TOKENS, logit_bias=bias, extra_body=BODY)
+                  max_tokens=MAX_TOKENS, logit_bias=bias, extra_body=BODY,
+                  **({"response_format": response_format} if response_format else {}))
     if not stream:
         response = client.chat.completions.create(**kwargs).model_dump()
         choice = response["choices"][0]
@@ -81,13 +83,13 @@ def _turn(client: OpenAI, messages: list[dict], tool_choice, stream: bool, bias:
 
 
 def _oracle(reference, app_config, turn: dict, messages: list[dict], tool_choice, bias: dict[str, float],
-            stream: bool, tools: list[dict] = TOOLS) -> tuple[list[int], list]:
+            stream: bool, tools: list[dict] = TOOLS, response_format: dict | None = None) -> tuple[list[int], list]:
     """The plain engine's ids for the turn's prompt under vLLM's grammar for the request (its server
     run with the app's `tool_strict_level`), and the calls vLLM's parser reads in its text: whole, or
     token by token as vLLM's server streams them (its streamed arguments are the model's text, its
     whole ones re-serialized)."""
     tokenizer, parser_cls = _vllm_parser(str(app_config.model_path()), app_config.tool_strict_level)
-    request = _vllm_request(messages, tool_choice, tools)
+    request = _vllm_request(messages, tool_choice, tools, response_format)
     request = parser_cls(tokenizer, request.tools, chat_template_kwargs={}, model_config=None).adjust_request(
         request=request)
     ids, text = ray.get(reference.replies.remote([turn["prompt_ids"]], MAX_TOKENS, None, {
@@ -147,9 +149,27 @@ def test_tools_the_request_does_not_offer_or_bad_tool_choices_are_a_400(http):
     for body, field in (({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
                          "tool_choice"),
                         ({"tool_choice": "required"}, "tool_choice"),
-                        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice")):
+                        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+                        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                         "forces a tool call")):
         response = http.post("/v1/chat/completions", json={**base, **body})
         assert response.status_code == 400 and field in response.json()["error"]["message"], response.text
+
+
+def test_an_auto_tool_choice_with_a_response_format_answers_under_vllm_s_merged_grammar(
+        client, reference, app_config, no_blank_json):
+    """A call or a reply in the asked format, whichever the model takes, as vLLM's server allows."""
+    answer = {"type": "object", "properties": {"city": CITY}, "required": ["city"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}
+    messages = [{"role": "system", "content": f"Tools or JSON. {SYSTEM_PROMPT}"},
+                {"role": "user", "content": "Which city is warmest?"}]
+    turn = _turn(client, messages, "auto", False, no_blank_json, response_format=fmt)
+    ids, calls = _oracle(reference, app_config, turn, messages, "auto", no_blank_json, False, response_format=fmt)
+    assert turn["output_ids"] == ids
+    got = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+           for c in turn["message"].get("tool_calls") or ()]
+    assert got == calls
+    assert got or json.loads(turn["message"]["content"])["city"] in CITY["enum"], turn["message"]
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,8 @@ def _parsing(tokenizer, reasoning=""):
 
 
 def _body(**fields):
-    return ChatCompletionRequest(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
-                                 **fields)
+    return ChatCompletionRequest(**{"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER],
+                                    **fields})
 
 
 def test_a_named_or_required_tool_choice_gets_vllm_s_structural_tag(tokenizer):
@@ -51,6 +51,35 @@ def test_tool_strict_level_holds_a_tool_without_strict_to_its_schema_as_vllm_s_s
     sampling = parsing.constrain(_body(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
                                  SamplingSettings())
     assert json.loads(sampling.structural_tag)["format"]["tags"][0]["content"]["json_schema"] == schema
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+@pytest.mark.parametrize("level", ["auto", "parameter"])
+def test_an_auto_tool_choice_and_a_structured_output_get_vllm_s_merged_grammar(tokenizer, level):
+    """Either a call or a reply in the asked format, as vLLM's server builds it for the same request."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VLLMRequest
+
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    body = _body(tools=[strict], response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}})
+    parsing = ReplyParsing(tokenizer, "hermes", "", "tiny-qwen3", level)
+    sampling = parsing.constrain(body, body.sampling(64, {}))
+    vllm = VLLMRequest(model="tiny-qwen3", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[strict],
+                       tool_choice="auto",
+                       response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})
+    vllm = parsing._parser(vllm).adjust_request(request=vllm)
+    assert sampling.structural_tag == vllm.structured_outputs.structural_tag and sampling.json_schema is None
+    assert json.loads(sampling.structural_tag)["format"]["type"] == "or"
+
+
+def test_a_forced_call_with_a_structured_output_is_refused_where_vllm_would_drop_the_output(tokenizer):
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        body = _body(tool_choice=choice, response_format={"type": "json_object"})
+        with pytest.raises(BadRequest, match="forces a tool call"):
+            _parsing(tokenizer).constrain(body, body.sampling(64, {}))
+    alone = _body(response_format={"type": "json_object"}, tool_choice="none")
+    assert _parsing(tokenizer).constrain(alone, alone.sampling(64, {})).json_object
 
 
 def test_vllm_s_request_checks_refuse_a_tool_choice_that_names_no_offered_tool(tokenizer):
