@@ -119,7 +119,7 @@ class Calibration:
     offset from a burst (or from warm-up turns) sends every later turn to the other side, and they
     queue there. The fits correct both sides or neither: what the formula misses on both (Serve's
     hops, an engine's admission and delivery) charged to one side alone would send a lone agent's
-    turn, after a tool pause longer than `ttl_s`, to the side that was forgotten."""
+    next tool turn to the side no turn had gone to for `ttl_s`."""
 
     def __init__(self, ttl_s: float = 10.0, alpha: float = 0.05, slope_range: tuple[float, float] = (0.25, 4.0),
                  min_spread_ms: float = 10.0) -> None:
