@@ -83,8 +83,7 @@ class ReplyParsing:
         request = self.vllm_request(body)
         if self.parser_cls is None:
             return sampling
-        asked = structured_outputs(sampling) if request.tools and request.tool_choice != "none" else None
-        request.structured_outputs = asked
+        request.structured_outputs = asked = structured_outputs(sampling)
         request = self._parser(request).adjust_request(request=request)
         grammar = request.structured_outputs
         if asked is not None and grammar is not asked and _named_or_required(request):
