@@ -1,6 +1,7 @@
 """The frontend: the OpenAI-compatible HTTP ingress, thin on purpose.
 
-client ──HTTP──▶ here: key, validate ──ClientRequest──▶ router ──ReplyStart, ReplyChunk…──▶ here ──▶ SSE/JSON
+client ──HTTP──▶ here: key, validate ──ClientRequest──▶ router ──ReplyStart(first chunk), ReplyChunk…──▶ here
+──▶ SSE/JSON
 The API key is checked first, before the body is read (deployments/http_guard.py); /docs, /redoc
 and /openapi.json are served only with `openapi_docs`. It holds no conversation state, so nothing
 is lost with it but its open connections; a router replica that dies mid-reply is replaced under

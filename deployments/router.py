@@ -1,7 +1,7 @@
 """The router: renders each request append-only and runs it through the turn loop.
 
 frontend ──ClientRequest──▶ here: authenticate, render (a worker thread) ──▶ TurnLoop(kv_index,
-prefill, decode) ──ReplyStart, ReplyChunk…──▶ frontend
+prefill, decode) ──ReplyStart(first chunk), ReplyChunk…──▶ frontend
 KV tensors never pass through here: only token ids and block metadata do. A client's mistake
 raises BadRequest/Unauthorized/Forbidden, no engine NoEngineAlive, a slow stage StageTimeout: the
 frontend turns each into its HTTP answer. A ClientRequest with `resume` continues a reply whose
@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -33,6 +34,7 @@ from app.model.tiny import ensure_tiny_model
 from app.protocol import ClientRequest, ReplyChunk, ReplyStart, Resume, Role, SamplingSettings, StoredResponse
 from app.turn.loop import TurnLoop
 from app.turn.spec import Turn
+from app.turn.turn import TurnRun
 from deployments.handles import ServeEngineGroup, ServeIndex
 
 logger = logging.getLogger("ray.serve")
@@ -91,7 +93,7 @@ class Router:
         return list(self.loop.decisions)[-n:]
 
     async def generate(self, request: ClientRequest) -> AsyncIterator[ReplyStart | ReplyChunk]:
-        """One request's reply: a ReplyStart once its prompt is computed, then its chunks (without
+        """One request's reply: a ReplyStart with its first chunk, then the other chunks (without
         block metadata, which stays here)."""
         received, body = time.perf_counter(), request.body
         tenant = self.keys.tenant_of(request.authorization)
@@ -121,18 +123,25 @@ class Router:
         async with self.loop.turn(turn) as run:
             await run.prepare()
             resume = request.resume or Resume((), (), "", run.cached_tokens)
-            yield ReplyStart(turn.request_id, tuple(prompt_ids), resume.cached_tokens,
-                             max_tokens=turn.sampling.max_tokens + len(resume.sent_token_ids),
-                             movable=not turn.sampling.reads_reply)
-            generated, text = list(resume.sent_token_ids), [resume.sent_text]
-            async for chunk in run.reply():
-                generated.extend(chunk.token_ids)
-                text.append(chunk.text)
-                yield ReplyChunk(chunk.token_ids, chunk.text, chunk.finish_reason, logprobs=chunk.logprobs)
-            if rendered is not None:  # the turn is recorded with its settlement
-                reply = self.reply_parsing.replayed(body, "".join(text), generated)
-                run.record(self.sessions.finish(rendered, generated, reply, run.prefill.replica_id),
-                           rendered.session_key)
+            async with aclosing(self._replied(run, body, rendered, resume)) as chunks:
+                first = await anext(chunks, None)
+                yield ReplyStart(turn.request_id, tuple(prompt_ids), resume.cached_tokens,
+                                 max_tokens=turn.sampling.max_tokens + len(resume.sent_token_ids),
+                                 movable=not turn.sampling.reads_reply, first=first)
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _replied(self, run: TurnRun, body: GenerationRequest, rendered: RenderedTurn | None,
+                       resume: Resume) -> AsyncIterator[ReplyChunk]:
+        """The reply's chunks as the client gets them; a chat turn is recorded with its settlement."""
+        generated, text = list(resume.sent_token_ids), [resume.sent_text]
+        async for chunk in run.reply():
+            generated.extend(chunk.token_ids)
+            text.append(chunk.text)
+            yield ReplyChunk(chunk.token_ids, chunk.text, chunk.finish_reason, logprobs=chunk.logprobs)
+        if rendered is not None:
+            reply = self.reply_parsing.replayed(body, "".join(text), generated)
+            run.record(self.sessions.finish(rendered, generated, reply, run.prefill.replica_id), rendered.session_key)
 
     def _turn(self, body: GenerationRequest, sampling: SamplingSettings, prompt_ids: list[int], scope: str,
               salt: str, hashes: tuple[bytes, ...], tenant: str, rendered: RenderedTurn | None, resume: Resume | None,

@@ -1,6 +1,7 @@
 """Every message that crosses a deployment boundary, defined once.
 
-frontend ──ClientRequest(validated body, credentials, Resume?)──▶ router ──ReplyStart, ReplyChunk…──▶ frontend
+frontend ──ClientRequest(validated body, credentials, Resume?)──▶ router ──ReplyStart(first chunk), ReplyChunk…
+──▶ frontend
 router ──PrefillRequest──▶ prefill ──PrefillResult(KVHandoff, first ReplyChunk)──▶ router
 router ──DecodeRequest(KVHandoff)──▶ decode ──ReplyChunk…, last one with RetainedBlocks──▶ router
 router ──DecodeRequest(no handoff: a short append)──▶ decode ──ReplyChunk…──▶ router

@@ -141,8 +141,9 @@ class StoredResponse:
 
 @dataclass(frozen=True)
 class ReplyStart:
-    """The router's first item of a reply, once its prompt is computed: what the response needs
-    besides the tokens."""
+    """The router's first item of a reply, sent with the reply's first chunk: what the response
+    needs besides the tokens. One item, not two: each item of a Serve stream is a hop of its own,
+    in every turn's time to first token."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -152,6 +153,8 @@ class ReplyStart:
     movable: bool = True
     """False when the reply's sampling reads the reply so far (SamplingSettings.reads_reply): it
     cannot move to another router replica mid-reply."""
+    first: ReplyChunk | None = None
+    """The reply's first chunk (None: the reply had no chunk to send)."""
 
 
 @dataclass(frozen=True)

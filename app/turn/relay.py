@@ -1,7 +1,7 @@
 """The frontend's side of one reply: the router's stream, moved to another router replica when its
 replica dies, as the turn loop moves a reply whose engine dies.
 
-    frontend ──ClientRequest──▶ router replica ──ReplyStart, ReplyChunk…──▶ Relay ──▶ SSE / JSON
+    frontend ──ClientRequest──▶ router replica ──ReplyStart(first chunk), ReplyChunk…──▶ Relay ──▶ SSE / JSON
     the replica died mid-reply ──ClientRequest(resume=Resume(prompt, tokens sent))──▶ another replica
 Greedy replies stay token-exact across the move; the client sees one uninterrupted reply.
 `Admission` counts the replies a frontend replica holds, and refuses past its bound.
@@ -27,7 +27,7 @@ class NoRouterAlive(RuntimeError):
 
 class RouterStreams(Protocol):
     def open(self, request: ClientRequest, choice: int | None) -> Any:
-        """The router's stream for `request` (ReplyStart, ReplyChunk…; cancellable). `choice`: its
+        """The router's stream for `request` (ReplyStart with the first chunk, ReplyChunk…; cancellable). `choice`: its
         index among the choices of one `n` > 1 request, which are open at once, else None."""
 
 
@@ -46,8 +46,9 @@ class Relay:
         """The frontend's admission place this reply holds (Admission.admit), released once by close()."""
 
     async def begin(self) -> ReplyStart:
-        """The reply's start; a router replica that dies before it is simply retried. The router's
-        own errors (bad request, no engine, timeout) are raised as themselves."""
+        """The reply's start, with its first chunk; a router replica that dies before it is simply
+        retried. The router's own errors (bad request, no engine, timeout) are raised as themselves:
+        up to the first token, they are the HTTP answer."""
         for _ in range(self.attempts):
             try:
                 self.start = await self._open(self.request)
@@ -57,13 +58,15 @@ class Relay:
         raise NoRouterAlive("no router replica could take the request; retry shortly")
 
     async def chunks(self) -> AsyncIterator[ReplyChunk]:
-        moves, finished = 0, False
+        """The start's first chunk, then the stream's; after a move, the new start's first, then its stream's."""
+        moves, finished, first = 0, False, self.start.first
         while True:
             try:
                 if self._stream is None:
-                    await self._open(replace(self.request, resume=self._resume()))
+                    first = (await self._open(replace(self.request, resume=self._resume()))).first
                 while True:
-                    chunk = await self._next()
+                    chunk = first if first is not None else await self._next()
+                    first = None
                     self.sent.extend(chunk.token_ids)
                     self.text.append(chunk.text)
                     finished = chunk.finish_reason is not None

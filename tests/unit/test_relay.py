@@ -62,6 +62,20 @@ def test_a_reply_whose_router_dies_continues_on_another_from_what_was_sent():
     assert router.streams[0].cancelled
 
 
+def test_each_start_s_first_chunk_is_the_reply_s_next_and_counts_as_sent_when_the_reply_moves():
+    router = Router([replace(START, first=ReplyChunk((7,), " a")), ReplyChunk((8,), " b"), ActorDiedError()],
+                    [replace(START, first=ReplyChunk((9,), " c")), ReplyChunk((10,), " d", "stop")])
+    relay, chunks = _relay(router)
+    assert [t for c in chunks for t in c.token_ids] == [7, 8, 9, 10] and "".join(relay.text) == " a b c d"
+    assert router.requests[1].resume.sent_token_ids == (7, 8)
+
+
+def test_a_reply_finished_in_its_start_s_chunk_ends_with_the_router_s_stream():
+    router = Router([replace(START, first=ReplyChunk((7,), " a", "stop"))])
+    _, chunks = _relay(router)
+    assert [c.finish_reason for c in chunks] == ["stop"] and len(router.requests) == 1
+
+
 def test_a_router_that_dies_before_the_reply_starts_is_retried_from_scratch():
     router = Router([ActorDiedError()], [START, ReplyChunk((7,), " a", "stop")])
     _, chunks = _relay(router)
