@@ -1,6 +1,6 @@
 """The turn loop's decision log and load estimates: each planned turn ──▶ a log entry (the
-`/admin/decisions` ring, the structured log line, Serve metrics) and each prefill ──▶ its
-replica's eviction horizon."""
+`/admin/decisions` ring, the structured log line, Serve metrics), written once the turn's first
+token is out, and each prefill ──▶ its replica's eviction horizon."""
 
 import dataclasses
 import json
@@ -43,8 +43,8 @@ class TurnJournal:
             for counter in counters:
                 counter[replica_id] -= tokens
 
-    def log(self, turn, decision: RoutingDecision, result: PrefillResult,
-            measured: dict[str, Any]) -> dict[str, Any]:
+    def entry(self, turn, decision: RoutingDecision, result: PrefillResult, measured: dict[str, Any]) -> dict[str, Any]:
+        """The turn's decision-log entry, written by record() once its first token is out."""
         pulled = decision.pulled_tokens
         entry = {"event": "kv_decision", "request_id": turn.request_id, "time": time.time(),
                  "prompt_tokens": len(turn.prompt_token_ids), "cached_tokens": result.num_cached_tokens,
@@ -57,17 +57,21 @@ class TurnJournal:
                  "pull_source": decision.pull.source.engine_id if decision.pull else None,
                  "policy": turn.routing_policy.value, **measured,
                  "rendering": _rendering_log(turn.rendering)}
-        self.metrics.record_turn(decision, len(turn.prompt_token_ids), result.num_cached_tokens, pulled)
-        if turn.rendering is not None:
-            self.metrics.record_rendering(turn.rendering)
         if turn.rendering is not None and turn.rendering.previous_tokens:
             reusable_tokens = turn.rendering.reusable_blocks * self.block_size
             entry["later_turn_hit"] = result.num_cached_tokens >= reusable_tokens
             entry["same_replica"] = result.replica_id == turn.previous_replica
+        return entry
+
+    def record(self, turn, decision: RoutingDecision, entry: dict[str, Any]) -> None:
+        """The entry into the `/admin/decisions` ring, the structured log and Serve's metrics."""
+        self.metrics.record_turn(decision, entry["prompt_tokens"], entry["cached_tokens"], entry["pulled_tokens"])
+        if turn.rendering is not None:
+            self.metrics.record_rendering(turn.rendering)
+        if "later_turn_hit" in entry:
             self.metrics.record_later_turn(turn.routing_policy.value, entry["later_turn_hit"], entry["same_replica"])
         self.decisions.append(entry)
         logger.info(json.dumps(entry))
-        return entry
 
     def observe_load(self, result: PrefillResult, now: float) -> float | None:
         replica = result.replica_id

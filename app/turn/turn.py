@@ -53,6 +53,7 @@ class TurnRun:
         self.prefill: PrefillResult | None = None
         self.log_entry: dict[str, Any] = {}
         """This turn's decision-log entry; decode adds its first-token latency to it."""
+        self.journaled = False
         self.started_at = self.planned_at = 0.0
         self._reply: ReplyStream | None = None
         """The rest of the reply, already streaming, when the prompt was computed where it decodes."""
@@ -63,6 +64,7 @@ class TurnRun:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
+        self._journal()
         self.loop.settle(self)
 
     @property
@@ -97,7 +99,7 @@ class TurnRun:
                     "first_token_from": "prefill" if (on_prefill and result.first_chunk)
                     or decision.action == Action.RUN_ON_PREFILL else "decode",
                     "engine_ms": asdict(result.engine_timing) if result.engine_timing else None}
-        self.log_entry = self.loop.journal.log(turn, decision, result, measured)
+        self.log_entry = self.loop.journal.entry(turn, decision, result, measured)
 
     async def _plan(self) -> RoutingDecision:
         loop, turn, hashes = self.loop, self.turn, self.ledger.hashes
@@ -198,6 +200,7 @@ class TurnRun:
             self._first_token_sent()
             ledger.advance(TurnState.DECODING)
             yield first
+            self._journal()
             if first.finish_reason is not None:
                 self._finish(first.retained)
                 return
@@ -220,6 +223,7 @@ class TurnRun:
                     if chunk.finish_reason is not None:
                         self._finish(chunk.retained)
                     yield chunk
+                    self._journal()
                 return
             except (StageTimeout, NoEngineAlive):
                 raise
@@ -274,6 +278,14 @@ class TurnRun:
         exactly when decode is slow to answer them."""
         decision = self.decision
         self.loop.planner.observe(self.turn, decision, decision.reason in FALLBACK_REASONS, measured_ms)
+
+    def _journal(self) -> None:
+        """Write the decision-log entry once: after the turn's first token went out (its log line,
+        metrics and ring are then not in the turn's time to first token, and the line has the
+        TTFT), else as the turn ends."""
+        if self.log_entry and not self.journaled:
+            self.journaled = True
+            self.loop.journal.record(self.turn, self.decision, self.log_entry)
 
     def _first_token_sent(self) -> None:
         elapsed = time.perf_counter() - self.started_at

@@ -2,6 +2,7 @@
 deployments: the real flow and its oracle are in tests/integration/test_pipeline.py)."""
 
 import asyncio
+import json
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -42,6 +43,27 @@ def test_the_first_token_comes_from_prefill_and_decode_continues_after_it():
     # The user has the first token: decode starts the rest ahead of every prompt waiting there.
     assert request.priority == CONTINUATION_PRIORITY < loop.groups[Role.PREFILL].prefill.calls[0].priority
     assert prepared.log_entry["first_token_from"] == "prefill" and "ttft_ms" in prepared.log_entry
+
+
+def test_the_decision_is_logged_once_its_first_token_is_out_with_its_ttft(caplog):
+    first = ReplyChunk(token_ids=(7,), text=" a")
+    loop, _ = _loop(_result(first), [ReplyChunk(token_ids=(8,), text=" b", finish_reason="length")])
+
+    async def first_chunk_then_rest():
+        async with loop.turn(Turn("t", PROMPT, "salt", SamplingSettings(max_tokens=2, temperature=0.0))) as run:
+            await run.prepare()
+            chunks = run.reply()
+            await anext(chunks)
+            logged_with_the_first_chunk = len(loop.decisions)
+            rest = [chunk async for chunk in chunks]
+        await loop.drain()
+        return logged_with_the_first_chunk, rest
+
+    with caplog.at_level("INFO", logger="ray.serve"):
+        logged_with_the_first_chunk, _ = asyncio.run(first_chunk_then_rest())
+    lines = [json.loads(r.message) for r in caplog.records if r.message.startswith('{"event": "kv_decision"')]
+    assert logged_with_the_first_chunk == 0 and len(loop.decisions) == 1
+    assert len(lines) == 1 and lines[0]["ttft_ms"] == loop.decisions[0]["ttft_ms"]
 
 
 def test_min_tokens_counts_the_whole_reply_across_prefill_and_decode():
