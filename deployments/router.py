@@ -54,7 +54,8 @@ class Router:
         self.keys = KeyRing.of(config.api_keys, config.admin_api_keys)
         self.renderer = PromptRenderer(config.model_path(), config.max_model_len)
         self.request_check = RequestCheck(config.model_path(), config.max_model_len, config.limits.max_logprobs,
-                                          dict(config.engine_kwargs), self.renderer.tokenizer)
+                                          dict(config.engine_kwargs), self.renderer.tokenizer,
+                                          config.limits.remembered_grammars)
         # One thread: tokenizers are not safe to share across threads, and rendering a large body
         # must not stall other streams on the event loop.
         self.render_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
@@ -105,7 +106,7 @@ class Router:
             sampling = self.reply_parsing.constrain(body, sampling)
         # vLLM's check, before any engine sees the request: at once, or, when it needs the tokenizer,
         # in the render thread with the prompt (one hop for both)
-        check = partial(self.request_check.check, sampling) if RequestCheck.needs_tokenizer(sampling) else None
+        check = partial(self.request_check.check, sampling) if self.request_check.needs_tokenizer(sampling) else None
         if check is None:
             self.request_check.check(sampling)
         salt = cache_salt(scope, self.config.salt_secret)

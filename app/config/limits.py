@@ -132,6 +132,10 @@ class Limits:
     """Prefill blocks the KV index tracks per replica (the oldest go first): bounds its memory."""
     decision_log_entries: Count = 1000
     """Routing decisions each router replica keeps for /admin/decisions."""
+    remembered_grammars: Count = 256
+    """Tool constraints and grammars each router replica remembers as built by vLLM's parser and
+    passed by vLLM's check (least recently used out first): an agent loop's, the same every turn,
+    are then built and checked once, not at about a millisecond of every turn's time to first token."""
 
     @property
     def router_holds(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from app.config import TINY_MODEL, AppConfig
+from app.conversations.memo import Memo
 from app.conversations.openai_api import ChatCompletionRequest
 from app.conversations.rendering import BadRequest
 from app.engine.adapter import structured_outputs
@@ -36,13 +37,15 @@ class ReplyParsing:
                 ensure_tiny_model(config.model_path())
             tokenizer = AutoTokenizer.from_pretrained(str(config.model_path()))
         return cls(tokenizer, config.tool_call_parser, config.reasoning_parser, config.model_name,
-                   config.tool_strict_level)
+                   config.tool_strict_level, config.limits.remembered_grammars)
 
     def __init__(self, tokenizer: Any, tool_call_parser: str, reasoning_parser: str, model_name: str,
-                 tool_strict_level: str = "auto") -> None:
+                 tool_strict_level: str, remembered: int) -> None:
         from vllm.parser import ParserManager
 
         self.tokenizer, self.auto_tools = tokenizer, bool(tool_call_parser)
+        self.constraints: Memo[dict[str, Any]] = Memo(remembered)
+        """constrain()'s result by what it reads of a request: the same every turn of an agent loop."""
         self.reasoning = bool(reasoning_parser)
         self.parser_cls = ParserManager.get_parser(
             tool_parser_name=tool_call_parser or None, reasoning_parser_name=reasoning_parser or None,
@@ -80,9 +83,16 @@ class ReplyParsing:
         here, since the client would get a 200 that ignored what it asked."""
         if body.tools is None and body.tool_choice is None and not self.reasoning:
             return sampling
+        # vLLM's parsers adjust a request from these fields, never from its messages
+        read = body.model_dump(mode="json", include=set(REQUEST_FIELDS) - {"messages"}, exclude_none=True)
+        asked = (sampling.regex, sampling.json_schema, sampling.json_object, sampling.structural_tag)
+        key = json.dumps([read, asked], sort_keys=True)
+        return replace(sampling, **self.constraints.get_or_make(key, lambda: self._constraint(body, sampling)))
+
+    def _constraint(self, body: ChatCompletionRequest, sampling: SamplingSettings) -> dict[str, Any]:
         request = self.vllm_request(body)
         if self.parser_cls is None:
-            return sampling
+            return {}
         request.structured_outputs = asked = structured_outputs(sampling)
         request = self._parser(request).adjust_request(request=request)
         grammar = request.structured_outputs
@@ -90,11 +100,11 @@ class ReplyParsing:
             raise BadRequest("tool_choice: a required or named tool choice forces a tool call, which vLLM's server "
                              "answers ignoring structured_outputs and response_format: send one or the other")
         if grammar is None or grammar is asked:
-            return replace(sampling, skip_special_tokens=request.skip_special_tokens)
+            return {"skip_special_tokens": request.skip_special_tokens}
         schema = grammar.json
-        return replace(sampling, skip_special_tokens=request.skip_special_tokens, regex=grammar.regex,
-                       json_schema=json.dumps(schema) if isinstance(schema, dict) else schema,
-                       json_object=bool(grammar.json_object), structural_tag=grammar.structural_tag)
+        return {"skip_special_tokens": request.skip_special_tokens, "regex": grammar.regex,
+                "json_schema": json.dumps(schema) if isinstance(schema, dict) else schema,
+                "json_object": bool(grammar.json_object), "structural_tag": grammar.structural_tag}
 
     def message(self, request, text: str, token_ids: list[int]) -> tuple[dict[str, Any], bool]:
         """The assistant message of a finished reply as vLLM's server returns it, and whether it

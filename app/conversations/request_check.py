@@ -21,6 +21,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from app.conversations.memo import Memo
 from app.conversations.openai_api import ChatCompletionRequest, GenerationRequest, refused_fields
 from app.conversations.rendering import BadRequest
 from app.engine.adapter import sampling_params
@@ -53,7 +54,7 @@ class RequestCheck:
     backend the engines use."""
 
     def __init__(self, model_path: Path, max_model_len: int, max_logprobs: int, engine_kwargs: dict[str, Any],
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, remembered: int) -> None:
         from vllm.config import ModelConfig, StructuredOutputsConfig
         from vllm.tokenizers.hf import get_cached_tokenizer
         from vllm.v1.serial_utils import MsgpackEncoder
@@ -64,6 +65,8 @@ class RequestCheck:
         # vLLM's view of the tokenizer (its max_token_id bounds bad words), as the engines hold it
         self.tokenizer, self.encoder = get_cached_tokenizer(tokenizer), MsgpackEncoder()
         self.vllm_defaults = vllm_request_defaults()
+        self.grammars: Memo[bool] = Memo(remembered)
+        """The grammars vLLM's check passed: its verdict on one depends on nothing else."""
 
     def check_fields(self, body: GenerationRequest) -> None:
         """Refuse the fields of vLLM's request model this server does not honour (the body's
@@ -78,12 +81,11 @@ class RequestCheck:
         if unknown := sorted(extra.keys() - defaults.keys()):
             logger.debug(json.dumps({"event": "request_fields_ignored", "fields": unknown[:20]}))
 
-    @staticmethod
-    def needs_tokenizer(settings: SamplingSettings) -> bool:
-        """Whether `check` compiles a grammar or tokenizes bad words: then it runs in the router's
-        render thread (the tokenizer is not safe to share, a compile takes time). Without them it
-        takes microseconds, less than a hop to that thread."""
-        return bool(settings.grammar or settings.bad_words)
+    def needs_tokenizer(self, settings: SamplingSettings) -> bool:
+        """Whether `check` compiles a grammar not checked before or tokenizes bad words: then it runs
+        in the router's render thread (the tokenizer is not safe to share, a compile takes time).
+        Without them it takes microseconds, less than a hop to that thread."""
+        return bool(settings.bad_words or (settings.grammar and not self.grammars.get(_grammar_key(settings))))
 
     def check(self, settings: SamplingSettings) -> None:
         from vllm import envs
@@ -93,6 +95,10 @@ class RequestCheck:
             params = sampling_params(settings, {})
         except VLLMClientError as exc:
             raise BadRequest(f"invalid sampling parameters: {exc}") from None
+        grammar_key = _grammar_key(settings)
+        known = self.grammars.get(grammar_key)
+        if known:  # the rest of vLLM's check still runs
+            params.structured_outputs = None
         try:
             params.verify(self.model, None, self.structured, self.tokenizer)
         except (VLLMClientError, ValueError) as exc:  # vLLM's name the field (parameter=); a grammar's do not
@@ -100,6 +106,8 @@ class RequestCheck:
             what = ("structured_outputs.regex: invalid regex" if settings.regex else "response_format: invalid schema"
                     ) if grammar else "invalid sampling parameters"
             raise BadRequest(f"{what}: {exc}") from None
+        if settings.grammar and not known:
+            self.grammars.put(grammar_key, True)
         try:
             params.update_from_tokenizer(self.tokenizer)
         except VLLMClientError as exc:
@@ -114,6 +122,10 @@ class RequestCheck:
         except OverflowError as exc:
             raise BadRequest(f"{', '.join(out_of_range(settings)) or 'sampling parameters'}: cannot be sent to "
                              f"the engine ({exc})") from None
+
+
+def _grammar_key(settings: SamplingSettings) -> str:
+    return json.dumps([settings.regex, settings.json_schema, settings.json_object, settings.structural_tag])
 
 
 def out_of_range(settings: SamplingSettings) -> list[str]:

@@ -25,7 +25,7 @@ def tokenizer(tmp_path_factory):
 
 
 def _parsing(tokenizer, reasoning=""):
-    return ReplyParsing(tokenizer, "hermes", reasoning, "tiny-qwen3")
+    return ReplyParsing(tokenizer, "hermes", reasoning, "tiny-qwen3", "auto", 4)
 
 
 def _body(**fields):
@@ -47,7 +47,7 @@ def test_a_named_or_required_tool_choice_gets_vllm_s_structural_tag(tokenizer):
 def test_tool_strict_level_holds_a_tool_without_strict_to_its_schema_as_vllm_s_server_does(tokenizer, level, schema):
     """The tool is not marked `strict`: under vLLM's default its call's arguments are free JSON
     (random weights answer `null`), under "parameter" they are held to its schema."""
-    parsing = ReplyParsing(tokenizer, "hermes", "", "tiny-qwen3", level)
+    parsing = ReplyParsing(tokenizer, "hermes", "", "tiny-qwen3", level, 4)
     sampling = parsing.constrain(_body(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
                                  SamplingSettings())
     assert json.loads(sampling.structural_tag)["format"]["tags"][0]["content"]["json_schema"] == schema
@@ -63,7 +63,7 @@ def test_an_auto_tool_choice_and_a_structured_output_get_vllm_s_merged_grammar(t
 
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
     body = _body(tools=[strict], response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}})
-    parsing = ReplyParsing(tokenizer, "hermes", "", "tiny-qwen3", level)
+    parsing = ReplyParsing(tokenizer, "hermes", "", "tiny-qwen3", level, 4)
     sampling = parsing.constrain(body, body.sampling(64, {}))
     vllm = VLLMRequest(model="tiny-qwen3", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[strict],
                        tool_choice="auto",
@@ -71,6 +71,19 @@ def test_an_auto_tool_choice_and_a_structured_output_get_vllm_s_merged_grammar(t
     vllm = parsing._parser(vllm).adjust_request(request=vllm)
     assert sampling.structural_tag == vllm.structured_outputs.structural_tag and sampling.json_schema is None
     assert json.loads(sampling.structural_tag)["format"]["type"] == "or"
+
+
+def test_an_agent_loop_s_constraint_is_built_once_and_equals_vllm_s_each_turn(tokenizer, monkeypatch):
+    """Its tools and choice are the same every turn, its messages are not (vLLM's parsers do not read them)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    fresh = _parsing(tokenizer).constrain(_body(tool_choice=named), SamplingSettings())
+    parsing, built = _parsing(tokenizer), []
+    constraint = parsing._constraint
+    monkeypatch.setattr(parsing, "_constraint", lambda *args: built.append(1) or constraint(*args))
+    turns = [_body(tool_choice=named, messages=[{"role": "user", "content": f"Weather in city {k}?"}]) for k in range(3)]
+    assert all(parsing.constrain(body, SamplingSettings()) == fresh for body in turns) and len(built) == 1
+    parsing.constrain(_body(tool_choice="required"), SamplingSettings())
+    assert len(built) == 2, "another choice is another constraint"
 
 
 def test_a_forced_call_with_a_structured_output_is_refused_where_vllm_would_drop_the_output(tokenizer):
@@ -87,7 +100,7 @@ def test_vllm_s_request_checks_refuse_a_tool_choice_that_names_no_offered_tool(t
         _parsing(tokenizer).constrain(_body(tool_choice={"type": "function", "function": {"name": "other"}}),
                                       SamplingSettings())
     with pytest.raises(BadRequest, match="tool_call_parser"):
-        ReplyParsing(tokenizer, "", "", "tiny-qwen3").constrain(_body(), SamplingSettings())
+        ReplyParsing(tokenizer, "", "", "tiny-qwen3", "auto", 4).constrain(_body(), SamplingSettings())
 
 
 def test_a_reply_s_tool_calls_parsed_whole_and_streamed_agree(tokenizer):

@@ -16,7 +16,7 @@ from app.turn.reply import EngineRefused, refusal
 @pytest.fixture(scope="module")
 def check(tmp_path_factory):
     path = ensure_tiny_model(tmp_path_factory.mktemp("tiny"))
-    return RequestCheck(path, 4096, 20, {}, PromptRenderer(path, 4096).tokenizer)
+    return RequestCheck(path, 4096, 20, {}, PromptRenderer(path, 4096).tokenizer, 4)
 
 
 @pytest.mark.parametrize("settings, field", [
@@ -47,6 +47,21 @@ def check(tmp_path_factory):
 def test_what_vllm_refuses_is_a_400_naming_the_field(check, settings, field):
     with pytest.raises(BadRequest, match=field.replace(".", r"\.")):
         check.check(settings)
+
+
+def test_a_grammar_vllm_passed_is_checked_once_and_the_rest_of_each_request_every_time(tmp_path):
+    path = ensure_tiny_model(tmp_path)
+    check = RequestCheck(path, 4096, 20, {}, PromptRenderer(path, 4096).tokenizer, 4)
+    grammar = SamplingSettings(regex="[ab]+")
+    assert check.needs_tokenizer(grammar)
+    check.check(grammar)
+    assert not check.needs_tokenizer(grammar), "checked before: at once, not in the render thread"
+    with pytest.raises(BadRequest, match="logprobs"):
+        check.check(SamplingSettings(regex="[ab]+", logprobs=99))
+    for _ in range(2):  # a refused grammar is never remembered
+        with pytest.raises(BadRequest, match="structured_outputs.regex"):
+            check.check(SamplingSettings(regex="(["))
+    assert check.needs_tokenizer(SamplingSettings(regex="(["))
 
 
 def test_what_vllm_runs_passes(check):
