@@ -80,7 +80,7 @@ def test_an_agent_loop_s_constraint_is_built_once_and_equals_vllm_s_each_turn(to
     parsing, built = _parsing(tokenizer), []
     constraint = parsing._constraint
     monkeypatch.setattr(parsing, "_constraint", lambda *args: built.append(1) or constraint(*args))
-    turns = [_body(tool_choice=named, messages=[{"role": "user", "content": f"Weather in city {k}?"}]) for k in range(3)]
+    turns = [_body(tool_choice=named, messages=[{"role": "user", "content": f"Weather in {k}?"}]) for k in range(3)]
     assert all(parsing.constrain(body, SamplingSettings()) == fresh for body in turns) and len(built) == 1
     parsing.constrain(_body(tool_choice="required"), SamplingSettings())
     assert len(built) == 2, "another choice is another constraint"
