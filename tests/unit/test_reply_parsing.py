@@ -86,6 +86,19 @@ def test_an_agent_loop_s_constraint_is_built_once_and_equals_vllm_s_each_turn(to
     assert len(built) == 2, "another choice is another constraint"
 
 
+def test_a_tool_whose_properties_come_in_another_order_gets_its_own_constraint(tokenizer):
+    """vLLM's tag keeps the schema's order, and the grammar holds a call's arguments to it."""
+    def tool(*names):
+        properties = {name: {"type": "string"} for name in names}
+        return {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": properties, "required": ["city"]}, "strict": True}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    parsing = _parsing(tokenizer)
+    for names in (("city", "day"), ("day", "city")):
+        body = _body(tools=[tool(*names)], tool_choice=named)
+        assert parsing.constrain(body, SamplingSettings()) == _parsing(tokenizer).constrain(body, SamplingSettings())
+
+
 def test_a_forced_call_with_a_structured_output_is_refused_where_vllm_would_drop_the_output(tokenizer):
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         body = _body(tool_choice=choice, response_format={"type": "json_object"})
