@@ -85,8 +85,8 @@ class ReplyParsing:
             return sampling
         # vLLM's parsers adjust a request from these fields, never from its messages
         read = body.model_dump(mode="json", include=set(REQUEST_FIELDS) - {"messages"}, exclude_none=True)
-        asked = (sampling.regex, sampling.json_schema, sampling.json_object, sampling.structural_tag)
-        key = json.dumps([read, asked])  # in the request's order: vLLM's tag keeps a schema's property order
+        # in the request's own order: vLLM's tag keeps a schema's property order
+        key = json.dumps([read, sampling.grammar_spec])
         return replace(sampling, **self.constraints.get_or_make(key, lambda: self._constraint(body, sampling)))
 
     def _constraint(self, body: ChatCompletionRequest, sampling: SamplingSettings) -> dict[str, Any]:

@@ -85,7 +85,10 @@ class RequestCheck:
         """Whether `check` compiles a grammar not checked before or tokenizes bad words: then it runs
         in the router's render thread (the tokenizer is not safe to share, a compile takes time).
         Without them it takes microseconds, less than a hop to that thread."""
-        return bool(settings.bad_words or (settings.grammar and not self.grammars.get(_grammar_key(settings))))
+        return bool(settings.bad_words or (settings.grammar and not self._passed_before(settings)))
+
+    def _passed_before(self, settings: SamplingSettings) -> bool:
+        return bool(self.grammars.get(json.dumps(settings.grammar_spec)))
 
     def check(self, settings: SamplingSettings) -> None:
         from vllm import envs
@@ -95,8 +98,7 @@ class RequestCheck:
             params = sampling_params(settings, {})
         except VLLMClientError as exc:
             raise BadRequest(f"invalid sampling parameters: {exc}") from None
-        grammar_key = _grammar_key(settings)
-        known = self.grammars.get(grammar_key)
+        known = settings.grammar and self._passed_before(settings)
         if known:  # the rest of vLLM's check still runs
             params.structured_outputs = None
         try:
@@ -107,7 +109,7 @@ class RequestCheck:
                     ) if grammar else "invalid sampling parameters"
             raise BadRequest(f"{what}: {exc}") from None
         if settings.grammar and not known:
-            self.grammars.put(grammar_key, True)
+            self.grammars.put(json.dumps(settings.grammar_spec), True)
         try:
             params.update_from_tokenizer(self.tokenizer)
         except VLLMClientError as exc:
@@ -122,10 +124,6 @@ class RequestCheck:
         except OverflowError as exc:
             raise BadRequest(f"{', '.join(out_of_range(settings)) or 'sampling parameters'}: cannot be sent to "
                              f"the engine ({exc})") from None
-
-
-def _grammar_key(settings: SamplingSettings) -> str:
-    return json.dumps([settings.regex, settings.json_schema, settings.json_object, settings.structural_tag])
 
 
 def out_of_range(settings: SamplingSettings) -> list[str]:

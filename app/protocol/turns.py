@@ -65,7 +65,12 @@ class SamplingSettings:
 
     @property
     def grammar(self) -> bool:
-        return bool(self.regex or self.json_schema or self.json_object or self.structural_tag)
+        return any(self.grammar_spec)
+
+    @property
+    def grammar_spec(self) -> tuple[str | None, str | None, bool, str | None]:
+        """The fields that make the reply's grammar: equal specs, one grammar."""
+        return self.regex, self.json_schema, self.json_object, self.structural_tag
 
     def after(self, generated: int) -> "SamplingSettings":
         """The settings for the rest of a reply of which `generated` tokens exist elsewhere."""
