@@ -325,6 +325,9 @@ class Frontend:
         parser = self.parsing.stream(parsed_request) if parsed_request is not None else None
         top, text_offset = body.sample_logprobs, 0
         try:
+            if shape.chat:  # the start came with the reply's first output
+                yield shape.role_chunk(prompt)
+                prompt = None
             async with aclosing(relay.chunks()) as chunks:
                 async for chunk in chunks:
                     ids = list(chunk.token_ids) if body.return_token_ids else None
@@ -335,7 +338,7 @@ class Frontend:
                     if parser is not None:
                         delta = parser.delta(chunk.text, list(chunk.token_ids), list(start.prompt_token_ids),
                                              finished=finish_reason is not None)
-                        if delta is None and finish_reason is None and ids is None:
+                        if delta is None and finish_reason is None and ids is None and logprobs is None:
                             continue  # nothing the client sees yet (a tool call's markup), as vLLM streams it
                         delta, finish_reason = delta or {}, parser.finish_reason(finish_reason)
                     yield shape.chunk(chunk.text, finish_reason, ids, prompt, delta, logprobs)

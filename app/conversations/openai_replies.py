@@ -66,9 +66,9 @@ class ResponseShape:
         """`parsed`: the message or delta vLLM's parsers made of the text (app/conversations/reply_parsing.py);
         `logprobs`: logprobs_body's, when the request asked for them."""
         choice: dict[str, Any] = {"index": self.index}
-        if self.chat:
-            choice[message_key] = {"role": "assistant", **parsed} if parsed is not None else {
-                "role": "assistant", "content": text}
+        if self.chat:  # a streamed delta names no role: the stream's first chunk did (role_chunk)
+            role = {"role": "assistant"} if message_key == "message" else {}
+            choice[message_key] = {**role, **parsed} if parsed is not None else {**role, "content": text}
         else:
             choice["text"] = text
         if logprobs is not None:
@@ -87,6 +87,14 @@ class ResponseShape:
               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """One streamed chunk's body: the chat API sends it as SSE, /v1/responses as its own events."""
         choice = self._choice(text, finish_reason, token_ids, "delta", parsed, logprobs)
+        return self._body(self._chunk_object, choice, prompt_token_ids)
+
+    def role_chunk(self, prompt_token_ids: list[int] | None) -> dict[str, Any]:
+        """A chat stream's first chunk, sent at the reply's first output as vLLM's server sends it:
+        the client sees the reply begin even when the parser holds back its first tokens (a tool
+        call's markup), and `return_token_ids` gets the prompt's ids here."""
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
         return self._body(self._chunk_object, choice, prompt_token_ids)
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:

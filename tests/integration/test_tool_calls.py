@@ -144,6 +144,40 @@ def test_an_agent_loop_s_tool_turns_equal_the_plain_engine_s_and_append_to_their
         assert rendering["pause_s"] > 0, "the decision log says how long the tool ran before the reuse"
 
 
+def _streamed_events(http, no_blank_json, **fields) -> list[dict]:
+    body = {"model": "tiny-qwen3", "messages": [{"role": "system", "content": f"Stream. {SYSTEM_PROMPT}"},
+                                                {"role": "user", "content": "The weather in Rome?"}],
+            "tools": TOOLS, "tool_choice": NAMED, "temperature": 0, "max_tokens": 48, "logit_bias": no_blank_json,
+            "stream": True, "stream_options": {"include_usage": True}, **fields}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+
+def test_a_streamed_tool_call_opens_with_vllm_s_role_chunk_and_its_prompt_ids(http, no_blank_json):
+    """vLLM's server sends the role chunk at the reply's first output, before its parser yields
+    any of the call: a client timing its first chunk sees the reply begin."""
+    from vllm.entrypoints.generate.base.protocol import DeltaMessage
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponseStreamChoice
+
+    events = _streamed_events(http, no_blank_json, return_token_ids=True)
+    first, rest = events[0], [e for e in events[1:] if e["choices"]]
+    role = ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""),
+                                              logprobs=None, finish_reason=None)
+    assert first["choices"] == [role.model_dump(exclude_unset=True)]
+    assert first["prompt_token_ids"] and not any(e.get("prompt_token_ids") for e in rest)
+    assert not any("role" in e["choices"][0]["delta"] for e in rest), "later deltas name no role, as vLLM's"
+    assert any(e["choices"][0]["delta"].get("tool_calls") for e in rest)
+
+
+def test_a_streamed_tool_call_s_logprobs_cover_every_token(http, no_blank_json):
+    """Chunks whose tokens the parser holds back still carry their logprobs, as vLLM's server sends them."""
+    events = _streamed_events(http, no_blank_json, logprobs=True, top_logprobs=1)
+    steps = [step for e in events if e["choices"] for step in (e["choices"][0].get("logprobs") or {}).get(
+        "content") or ()]
+    assert len(steps) == events[-1]["usage"]["completion_tokens"] > 0
+
+
 def test_tools_the_request_does_not_offer_or_bad_tool_choices_are_a_400(http):
     base = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
     for body, field in (({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
