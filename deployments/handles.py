@@ -30,8 +30,8 @@ class ServeIndex:
     def membership(self):
         return self._handle.membership.remote()
 
-    def lookup(self, hashes: list[bytes]):
-        return self._handle.lookup.remote(hashes)
+    def lookup(self, hashes: list[bytes], take: SequenceKey | None = None):
+        return self._handle.lookup.remote(hashes, take)
 
     def take(self, key: SequenceKey):
         return self._handle.take.remote(key)

@@ -76,8 +76,8 @@ class KVIndexServer:
         return Membership(prefill=tuple(prefill), decode=tuple(decode),
                           loads={r: self.index.replicas[r].load for r in (*prefill, *decode)}, settled=settled)
 
-    async def lookup(self, hashes: list[bytes]) -> PrefixLookup:
-        return self.index.lookup(hashes)
+    async def lookup(self, hashes: list[bytes], take: SequenceKey | None = None) -> PrefixLookup:
+        return self.index.lookup(hashes, take=take)
 
     async def take(self, key: SequenceKey) -> RetainedBlocks | None:
         """Claim a retained sequence: the caller becomes its only reader or releaser (None: taken already)."""

@@ -1,6 +1,7 @@
 """Fakes for the turn loop's unit tests: in-memory implementations of the turn's seams
 (app/turn/seams.py) whose methods record their calls."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 from unittest.mock import MagicMock
 
@@ -11,7 +12,7 @@ from app.turn.spec import Turn
 
 
 class Remote:
-    """A seam's method: calling it records the argument and returns what `answer(first)` gives, as an
+    """A seam's method: calling it records the arguments and returns what `answer(*arguments)` gives, as an
     awaitable Response, or as a Stream when `answer` is an async generator function. `.remote` is
     the same call, for the deployments' own Serve handles."""
 
@@ -20,7 +21,7 @@ class Remote:
 
     def __call__(self, *args):
         self.calls.append(args[0] if len(args) == 1 else args)
-        result = self.answer(args[0] if args else None)
+        result = self.answer(*(args or (None,)))
         if hasattr(result, "__anext__"):
             self.streams.append(Stream(result))
             return self.streams[-1]
@@ -88,7 +89,13 @@ class Index(SimpleNamespace):
             taken.add(key)
             return key
 
-        super().__init__(lookup=Remote(lambda _: lookup or PrefixLookup(prefill_cached_tokens={"p0": 0})),
+        def answer(hashes, key=None):
+            found = lookup or PrefixLookup(prefill_cached_tokens={"p0": 0})
+            if key is None or found.retained is None or found.retained.retained.key != key:
+                return found
+            return replace(found, taken=take(key) is not None)
+
+        super().__init__(lookup=Remote(answer),
                          take=Remote(take), record_turn=Remote(lambda r: tuple(k for k in r.take_keys if take(k))),
                          membership=Remote(lambda _: members), match_conversation=Remote(),
                          store_response=Remote(lambda _: True), load_response=Remote())

@@ -77,7 +77,7 @@ class KVIndex:
 
     def record_retained(self, salt: str, retained: RetainedBlocks, hashes: list[bytes] | None = None) -> None:
         """`hashes`: the sequence's block hashes, if the caller computed them already."""
-        key = (retained.replica_id, retained.handoff.request_id)
+        key = retained.key
         hashes = self.retained_hashes(salt, retained) if hashes is None else hashes
         self._sequences[key] = retained
         self._sequence_hashes[key] = hashes
@@ -162,10 +162,16 @@ class KVIndex:
         return cached
 
     # ---- the question the router asks ------------------------------------------------------
-    def lookup(self, hashes: list[bytes], now: float | None = None) -> PrefixLookup:
+    def lookup(self, hashes: list[bytes], now: float | None = None, take: SequenceKey | None = None) -> PrefixLookup:
+        """`take`: a retained sequence the caller claims if it is the longest match (a turn that
+        extends it, as its router's near cache says): taken in the same call, so a pull needs one."""
         now = time.time() if now is None else now
-        return PrefixLookup(prefill_cached_tokens=self._prefill_cached_tokens(hashes, now),
-                            retained=self._longest_retained(hashes, now))
+        retained = self._longest_retained(hashes, now)
+        taken = take is not None and retained is not None and retained.retained.key == take
+        if taken:
+            self.forget_retained(take)
+        return PrefixLookup(prefill_cached_tokens=self._prefill_cached_tokens(hashes, now), retained=retained,
+                            taken=taken)
 
     def stats(self) -> dict[str, int]:
         return {"retained_sequences": len(self._sequences), "retained_hashes": len(self._by_hash),

@@ -43,6 +43,11 @@ class RetainedBlocks:
     paused_until: float = 0.0
     """Unix time until which the sequence waits out a tool's run: decode's trimming takes it last."""
 
+    @property
+    def key(self) -> tuple[str, str]:
+        """The index's key for the sequence: (decode replica id, engine request id)."""
+        return self.replica_id, self.handoff.request_id
+
 
 @dataclass(frozen=True)
 class TurnRecords:

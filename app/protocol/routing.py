@@ -92,6 +92,8 @@ class PrefixLookup:
     prefill_cached_tokens: dict[str, int] = field(default_factory=dict)
     """Leading tokens each registered prefill replica is believed to hold (0 for most)."""
     retained: RetainedMatch | None = None
+    taken: bool = False
+    """The index took `retained` for the caller, who named it (KVIndex.lookup's `take`)."""
 
 
 @dataclass(frozen=True)

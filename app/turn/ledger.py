@@ -77,7 +77,7 @@ def settle(ledger: TurnLedger, keep_for_next_turn: bool) -> Settlement:
     `keep_for_next_turn`: reverse pulls are on for this turn, so decode's sequence is worth keeping."""
     releases = []
     if ledger.claimed is not None and not ledger.pulled:
-        key = None if ledger.claim_confirmed else (ledger.claimed.replica_id, ledger.claimed.handoff.request_id)
+        key = None if ledger.claim_confirmed else ledger.claimed.key
         releases.append(Release(Role.DECODE, ledger.claimed.handoff, confirm_key=key))
     if ledger.handoff is not None and not ledger.handoff_read:
         releases.append(Release(Role.PREFILL, ledger.handoff))

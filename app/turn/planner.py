@@ -11,7 +11,6 @@ import time
 from dataclasses import replace
 
 from app.config import AppConfig
-from app.kv.hashing import common_prefix_len
 from app.protocol import Action, PrefixLookup, Reason, RetainedBlocks, Role, RoutingDecision
 from app.turn.decision import PullPolicy, decide_prefill_on_decode
 from app.turn.journal import TurnJournal
@@ -90,7 +89,13 @@ class Planner:
     @staticmethod
     def supersedes(turn: Turn, retained: RetainedBlocks) -> bool:
         """The turn's prompt extends the whole retained sequence: nobody else will read it."""
-        return common_prefix_len(list(turn.prompt_token_ids), list(retained.token_ids)) == len(retained.token_ids)
+        return tuple(turn.prompt_token_ids[:len(retained.token_ids)]) == tuple(retained.token_ids)
+
+    def extended(self, turn: Turn, own: PrefixLookup) -> RetainedBlocks | None:
+        """The sequence in the router's near cache that the turn supersedes: the turn may take it
+        with its index lookup, whatever it decides (pulled, read on decode, or released at the end)."""
+        retained = own.retained.retained if own.retained else None
+        return retained if retained is not None and self.supersedes(turn, retained) else None
 
     def fallback(self, failed: RoutingDecision) -> RoutingDecision:
         """After an engine failed: recompute through another prefill replica, else the whole turn on decode."""

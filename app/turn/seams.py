@@ -37,7 +37,8 @@ class EngineStream(Protocol):
 class KVIndexClient(Protocol):
     def membership(self) -> Awaitable[Membership]: ...
 
-    def lookup(self, hashes: list[bytes]) -> Awaitable[PrefixLookup]: ...
+    def lookup(self, hashes: list[bytes], take: SequenceKey | None = None) -> Awaitable[PrefixLookup]:
+        """`take`: claim this retained sequence too, if it is the longest match (PrefixLookup.taken)."""
 
     def take(self, key: SequenceKey) -> Awaitable[RetainedBlocks | None]:
         """The retained sequence, now owned by the caller; None when another turn took it first."""

@@ -7,7 +7,7 @@
     # exit, however it ends (finished, failed, cancelled, client gone): its ledger is settled once
 
     plan:    hashes ──▶ near cache / kv_index.lookup ──▶ Planner ──▶ RoutingDecision ──▶ kv_index.take
-             (a pull owns the sequence it reads)
+             (a pull owns the sequence it reads; the lookup takes the one the near cache says the turn extends)
     prefill: PrefillRequest(pull?) ──▶ prefill replica ──▶ PrefillResult   (pull failed: recompute)
              its first token goes to the client at once
     decode:  DecodeRequest(prompt + first token, handoff) ──▶ decode replica ──▶ ReplyChunk…
@@ -104,17 +104,21 @@ class TurnRun:
     async def _plan(self) -> RoutingDecision:
         loop, turn, hashes = self.loop, self.turn, self.ledger.hashes
         live = await loop.live()
-        near = loop.planner.near(turn, loop.own_retained.lookup(hashes), live)
+        own = loop.own_retained.lookup(hashes)
+        near = loop.planner.near(turn, own, live)
         if near is not None and near.action == Action.PREFILL_ON_DECODE:
             self._claim(near.retained, confirmed=False)
             return near
-        answer = await loop.bookkeep(loop.index.lookup(hashes), "index.lookup")
+        extended = loop.planner.extended(turn, own)
+        answer = await loop.bookkeep(loop.index.lookup(hashes, extended and extended.key), "index.lookup")
         decision = loop.planner.decide(turn, answer, live)
+        if answer is not None and answer.taken:  # ours: pulled, or released at the end as nobody else reads it
+            self._claim(answer.retained.retained, confirmed=True)
+            return decision
         if (retained := decision.retained) is None:
             return decision
         if decision.action in (Action.PULL, Action.PREFILL_ON_DECODE):
-            key = (retained.replica_id, retained.handoff.request_id)
-            if await loop.bookkeep(loop.index.take(key), "index.take") is None:
+            if await loop.bookkeep(loop.index.take(retained.key), "index.take") is None:
                 return loop.planner.without(turn, answer, live)  # another turn took it first: recompute
             self._claim(retained, confirmed=True)
         elif loop.planner.supersedes(turn, retained):
@@ -123,7 +127,7 @@ class TurnRun:
 
     def _claim(self, retained: RetainedBlocks, confirmed: bool) -> None:
         self.ledger.claimed, self.ledger.claim_confirmed = retained, confirmed
-        self.loop.own_retained.forget_retained((retained.replica_id, retained.handoff.request_id))
+        self.loop.own_retained.forget_retained(retained.key)
 
     async def _compute_prompt(self, decision: RoutingDecision
                               ) -> tuple[PrefillResult, ReplyStream | None, RoutingDecision]:

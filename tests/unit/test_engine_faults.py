@@ -202,7 +202,7 @@ def test_a_call_waiting_on_a_replica_that_leaves_the_live_set_is_abandoned():
 
 def test_a_turn_planned_without_the_index_s_answer_says_so_in_its_decision():
     loop = turn_loop(PREFILLED, DecodeGroup(REPLY))
-    loop.index.lookup = Remote(lambda _: TimeoutError())
+    loop.index.lookup = Remote(lambda *_: TimeoutError())
     _, prepared = asyncio.run(run_turn(loop, _turn()))
     assert prepared.decision.action == Action.RECOMPUTE and prepared.decision.reason == Reason.INDEX_UNREACHABLE
 

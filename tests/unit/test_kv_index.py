@@ -25,6 +25,19 @@ def test_lookup_finds_the_longest_retained_prefix():
     assert match.matched_blocks == 200 // BLOCK
 
 
+def test_a_lookup_takes_the_sequence_it_names_only_when_that_is_the_longest_match():
+    index = _index()
+    history = list(range(200))
+    short, long = retained(history[:100], NOW + 60, request_id="short"), retained(history, NOW + 60, request_id="long")
+    index.record_retained("t", short)
+    index.record_retained("t", long)
+    hashes = block_hashes(history + [999] * 40, BLOCK, "t")
+    assert not index.lookup(hashes, now=NOW, take=short.key).taken and index.holds(short.key)
+    answer = index.lookup(hashes, now=NOW, take=long.key)
+    assert answer.taken and answer.retained.retained == long and not index.holds(long.key)
+    assert index.lookup(hashes, now=NOW, take=long.key).retained.retained == short, "taken once"
+
+
 def test_other_salt_and_expired_sequences_do_not_match():
     index = _index()
     index.record_retained("tenant-a", retained(list(range(128)), NOW + 60))

@@ -19,7 +19,7 @@ from app.protocol import (
 from app.turn.decision import PullPolicy, decide_prefill_on_decode
 from app.turn.spec import Turn
 from tests.factories import BLOCK, handoff, retained
-from tests.fakes import DecodeGroup, run_turn, turn_loop
+from tests.fakes import ONE_OF_EACH, DecodeGroup, Index, run_turn, turn_loop
 
 HISTORY = list(range(300))
 POLICY = PullPolicy(block_size=BLOCK, threshold_tokens=32, expiry_margin_s=5.0, max_decode_prefill_tokens=64)
@@ -134,3 +134,21 @@ def test_a_router_whose_own_record_of_the_conversation_is_stale_asks_the_index()
                                len(PROMPT) // BLOCK, BreakCause.NONE)
     _turn(loop, prompt, rendering=latest)
     assert len(loop.index.lookup.calls) == 2, "its own record holds the previous turn: no index call"
+
+
+def test_a_pull_from_a_sequence_this_router_recorded_takes_it_with_its_one_index_call():
+    """Kept off decode (too long an append, or as here the request's choice), so prefill pulls: the
+    lookup takes the sequence it names (the index's longest match), and no second call claims it."""
+    _, _, loop = _serve(DecodeGroup(REPLY))
+    latest = REPLY[-1].retained
+    loop.index = Index(PrefixLookup(prefill_cached_tokens={"p0": 0},
+                                    retained=RetainedMatch(latest, len(latest.token_ids) // BLOCK)), ONE_OF_EACH)
+    prompt = PROMPT + (8,) + (5,) * 10
+    _, follow_up = _turn(loop, prompt, prefill_on_decode=False)
+    assert follow_up.decision.action == Action.PULL and follow_up.decision.retained == latest
+    [(_, key)] = loop.index.lookup.calls
+    assert key == latest.key and loop.index.take.calls == []
+    assert loop.groups[Role.PREFILL].prefill.calls[-1].pull == follow_up.decision.pull
+    assert loop.index.record_turn.calls[-1].take_keys == (), "the claim was confirmed by the lookup"
+    _turn(loop, PROMPT + (9,) * 100, prefill_on_decode=False)
+    assert loop.index.lookup.calls[-1][1] is None, "a prompt that does not extend it takes nothing with its lookup"

@@ -75,7 +75,7 @@ def test_a_turn_looks_up_the_block_hashes_computed_with_its_prompt(monkeypatch):
         await loop.drain()
 
     asyncio.run(scenario())
-    assert loop.index.lookup.calls == [list(hashes)]
+    assert loop.index.lookup.calls == [(list(hashes), None)]
 
 
 def test_the_router_s_hashes_are_the_turn_s_own():
