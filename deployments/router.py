@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from app.config import TINY_MODEL, AppConfig, Device
 from app.conversations.openai_api import ChatCompletionRequest, GenerationRequest
@@ -36,11 +37,12 @@ from app.turn.loop import TurnLoop
 from app.turn.spec import Turn
 from app.turn.turn import TurnRun
 from deployments.handles import ServeEngineGroup, ServeIndex
+from deployments.targeted_router import ConversationRequestRouter
 
 logger = logging.getLogger("ray.serve")
 
 
-@serve.deployment
+@serve.deployment(request_router_config=RequestRouterConfig(request_router_class=ConversationRequestRouter))
 class Router:
     async def __init__(self, config: AppConfig, index, prefill, decode) -> None:
         if config.model == TINY_MODEL:
@@ -64,7 +66,8 @@ class Router:
         self.generation_defaults = self.request_check.model.get_diff_sampling_param()
         """The model's generation config (vLLM applies it to what a request leaves unset)."""
         metrics = TurnMetrics(kv_bytes_per_token(config.model_path()))
-        self.loop = TurnLoop(config, ServeIndex(index), ServeEngineGroup(prefill), ServeEngineGroup(decode), metrics)
+        self.loop = TurnLoop(config, ServeIndex(index), ServeEngineGroup(prefill), ServeEngineGroup(decode), metrics,
+                             serve.get_replica_context().replica_id.unique_id)
         # Take requests once the index answered (or the wait ran out: the index may be restarting).
         await self.loop.refresh_membership(config.limits.index_wait_at_start_s)
         self.loop.spawn(self.loop.follow_membership(), "membership")

@@ -328,6 +328,12 @@ class ChatCompletionRequest(GenerationRequest):
     def sample_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def conversation_opening(self) -> str:
+        """The messages up to the first user message's (the router's affinity key starts there too)."""
+        first_user = next((i for i, m in enumerate(self.messages) if m.role == "user"), 0)
+        return "\x00".join(f"{m.role}:{m.text()}" for m in self.messages[:first_user + 1])
+
     def template_messages(self) -> list[dict[str, Any]]:
         messages = []
         for m in self.messages:
@@ -358,6 +364,11 @@ class CompletionRequest(GenerationRequest):
     @classmethod
     def _vllm_logprob_checks(cls, body: Any) -> Any:
         return vllm_logprob_checks(body, chat=False)
+
+    @property
+    def conversation_opening(self) -> str:
+        """The prompt's start, which a client continuing it resends."""
+        return str(self.prompt[:64] if isinstance(self.prompt, list) else self.prompt[:256])
 
     @property
     def sample_logprobs(self) -> int | None:

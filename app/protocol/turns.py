@@ -131,6 +131,12 @@ class ClientRequest:
     session_id: str | None = None
     resume: Resume | None = None
 
+    @property
+    def affinity_key(self) -> str:
+        """The conversation, for the router replica Serve sends it to (deployments/targeted_router.py):
+        its session, else its opening, which every turn resends."""
+        return f"session:{self.session_id}" if self.session_id else self.body.conversation_opening
+
 
 @dataclass(frozen=True)
 class StoredResponse:

@@ -20,8 +20,8 @@ logger = logging.getLogger("ray.serve")
 
 
 class TurnJournal:
-    def __init__(self, block_size: int, metrics: TurnMetrics, size: int = 1000) -> None:
-        self.block_size, self.metrics = block_size, metrics
+    def __init__(self, block_size: int, metrics: TurnMetrics, size: int = 1000, replica_id: str = "") -> None:
+        self.block_size, self.metrics, self.replica_id = block_size, metrics, replica_id
         self.decisions: deque[dict[str, Any]] = deque(maxlen=size)
         self.horizon = EvictionHorizon()
         self.horizons: dict[str, float] = {}
@@ -55,7 +55,7 @@ class TurnJournal:
                  "placement": dataclasses.asdict(decision.placement) if decision.placement else None,
                  "action": decision.action.value, "reason": decision.reason.value,
                  "pull_source": decision.pull.source.engine_id if decision.pull else None,
-                 "policy": turn.routing_policy.value, **measured,
+                 "policy": turn.routing_policy.value, "router_replica": self.replica_id, **measured,
                  "rendering": _rendering_log(turn.rendering)}
         if turn.rendering is not None and turn.rendering.previous_tokens:
             reusable_tokens = turn.rendering.reusable_blocks * self.block_size

@@ -35,11 +35,12 @@ logger = logging.getLogger("ray.serve")
 
 class TurnLoop:
     def __init__(self, config: AppConfig, index: KVIndexClient, prefill: PrefillGroup, decode: EngineGroup,
-                 metrics: TurnMetrics) -> None:
+                 metrics: TurnMetrics, replica_id: str = "") -> None:
+        """`replica_id`: the router replica this loop runs in, named in its decision log."""
         self.config, self.limits = config, config.limits
         self.index = index
         self.metrics = metrics
-        self.journal = TurnJournal(config.block_size, metrics, self.limits.decision_log_entries)
+        self.journal = TurnJournal(config.block_size, metrics, self.limits.decision_log_entries, replica_id)
         self.engines = LiveEngines(self.limits.suspect_replica_s)
         self.calls = EngineCalls({Role.PREFILL: prefill, Role.DECODE: decode}, self.engines, self.limits, metrics)
         self.groups = self.calls.groups

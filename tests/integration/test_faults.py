@@ -6,14 +6,18 @@ after each fault); the router tests replace it with two router replicas (own_app
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import ray
 
+from app.conversations.openai_api import ChatCompletionRequest
 from app.kv.hashing import common_prefix_len
 from app.ops import faults
 from app.ops.client import chat_turn
+from app.protocol import ClientRequest
+from deployments.targeted_router import ConversationRequestRouter
 from tests.integration.conftest import SYSTEM_PROMPT, make_client, reference_ids, run_own_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -139,10 +143,35 @@ def _kept_blocks(turn, block_size: int) -> int:
 
 
 @pytest.mark.own_app
+def test_a_conversation_keeps_to_one_router_replica(two_routers_small_decode_pool, base_url, reference):
+    """Six conversations of three turns through two router replicas: one replica decides all of a
+    conversation's turns (Serve's request router ranks it first by the conversation's opening), so
+    its later turns find their history and retained sequence in that replica's own records."""
+    client = make_client(base_url)
+    histories, conversations = [_messages(f"affinity {i}") for i in range(6)], [[] for _ in range(6)]
+    for _ in range(3):
+        for k, turns in enumerate(conversations):
+            turns.append(chat_turn(client, histories[k], MAX_TOKENS))
+            histories[k] = _next(histories[k], turns[-1], "More.")
+    routers = [{_decision(base_url, t.request_id)["router_replica"] for t in turns} for turns in conversations]
+    assert all(len(r) == 1 for r in routers), routers
+    for turns in conversations:
+        assert [t.output_ids for t in turns] == reference_ids(reference, turns, MAX_TOKENS)
+
+
+def _router_for(messages: list[dict]) -> str:
+    """The router replica Serve ranks first for a conversation that opens with `messages`."""
+    request = ClientRequest(ChatCompletionRequest.model_validate({"messages": messages}))
+    candidates = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r["replica_id"]))
+                  for r in faults.serve_replicas()["router"]]
+    return ConversationRequestRouter.__new__(ConversationRequestRouter).first_choice(request, candidates)
+
+
+@pytest.mark.own_app
 def test_a_router_replica_killed_mid_reply_loses_no_reply_and_no_conversation(two_routers_small_decode_pool,
                                                                                base_url, reference):
-    """Four long replies stream through two router replicas (two each: Serve balances them); one
-    replica is killed while they stream. The frontend moves its replies to the other replica from
+    """Four long replies stream through two router replicas (two each: their openings are chosen so);
+    one replica is killed while they stream. The frontend moves its replies to the other replica from
     the prompt plus the tokens already sent: every reply arrives whole and equals the plain
     engine's. One of them is a conversation's second turn: its third turn, after the kill, stays
     append-only and reuses the history (records are shared through the index)."""
@@ -156,7 +185,10 @@ def test_a_router_replica_killed_mid_reply_loses_no_reply_and_no_conversation(tw
     # limits.retained_yield_usage with requests waiting: decode then rightly released the one
     # sequence it kept, this conversation's (seen in a CI run after engine steps became 512 tokens,
     # which likely keep a recomputed prompt waiting longer).
-    others = [[{"role": "user", "content": f"router stream {i}"}] for i in range(3)]
+    candidates = [[{"role": "user", "content": f"router stream {i}"}] for i in range(40)]
+    first = _router_for(messages)
+    others = ([m for m in candidates if _router_for(m) == first][:1]
+              + [m for m in candidates if _router_for(m) != first][:2])
     with ThreadPoolExecutor(4) as pool:
         streams = [pool.submit(chat_turn, client, messages, long_reply),
                    *(pool.submit(chat_turn, client, m, long_reply, reverse_pull=False) for m in others)]
@@ -208,7 +240,7 @@ def test_retained_sequences_yield_the_decode_pool_to_new_requests(two_routers_sm
 
 def _decision(base_url: str, request_id: str) -> dict | None:
     """A turn's decision-log entry, from whichever router replica took it (Serve picks one a call)."""
-    for _ in range(10):
+    for _ in range(30):
         entries = httpx.get(f"{base_url}/admin/decisions", params={"n": 100}, timeout=10,
                             headers={"Authorization": "Bearer unused"}).json()
         if found := next((e for e in entries if e["request_id"] == request_id), None):

@@ -114,10 +114,19 @@ def test_an_engine_process_s_gloo_groups_share_one_transport_thread(tmp_path):
 
     script = tmp_path / "groups.py"
     script.write_text(GLOO_GROUPS)
-    loops = {how: subprocess.run([sys.executable, str(script), str(free_port("127.0.0.1")), how], text=True,
-                                 capture_output=True, check=True, timeout=60).stdout.split()
-             for how in ("one", "torch's")}
-    assert loops == {"one": ["1", "gloo"], "torch's": ["13", "gloo"]}
+
+    def transport_threads(how: str) -> list[str]:
+        """Two tries: torch's own gloo once aborted (SIGABRT) in the suite beside the running app,
+        which is not what this test checks; its stderr says why if it happens twice."""
+        for _ in range(2):
+            run = subprocess.run([sys.executable, str(script), str(free_port("127.0.0.1")), how], text=True,
+                                 capture_output=True, timeout=60)
+            if run.returncode == 0:
+                return run.stdout.split()
+        raise AssertionError(f"{how}: exit {run.returncode}: {run.stderr[-2000:]}")
+
+    assert {how: transport_threads(how) for how in ("one", "torch's")} == {"one": ["1", "gloo"],
+                                                                          "torch's": ["13", "gloo"]}
 
 
 ORPHAN_PARENT = """
