@@ -93,11 +93,16 @@ def served_model(url: str, api_key: str) -> str:
     return models[0]["id"]
 
 
-def decisions(url: str, api_key: str, n: int) -> list[dict]:
-    """The router's last `n` decision records; where the app sets api_keys, only an admin key reads them."""
-    response = httpx.get(f"{url}/admin/decisions", params={"n": n}, headers=bearer(api_key), timeout=60)
-    response.raise_for_status()
-    return response.json()
+def decisions(url: str, api_key: str, n: int, calls: int = 8) -> list[dict]:
+    """The routers' last `n` decision records each; where the app sets api_keys, only an admin key
+    reads them. Each call answers from one router replica (the less loaded of two picked at random):
+    `calls` calls miss one of two replicas with odds 1 in 2**(calls - 1)."""
+    merged: dict[str, dict] = {}
+    for _ in range(calls):
+        response = httpx.get(f"{url}/admin/decisions", params={"n": n}, headers=bearer(api_key), timeout=60)
+        response.raise_for_status()
+        merged.update((d["request_id"], d) for d in response.json())
+    return list(merged.values())
 
 
 def bearer(api_key: str) -> dict[str, str]:
