@@ -330,7 +330,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     @property
     def conversation_opening(self) -> str:
-        """The messages up to the first user message's (the router's affinity key starts there too)."""
+        """The messages up to and including the first user message, which every later turn resends."""
         first_user = next((i for i, m in enumerate(self.messages) if m.role == "user"), 0)
         return "\x00".join(f"{m.role}:{m.text()}" for m in self.messages[:first_user + 1])
 
