@@ -92,10 +92,10 @@ def test_the_api_key_comes_from_the_flag_then_the_environment(monkeypatch):
     assert resolve_target(parsed(), AppConfig()).api_key == NO_KEY, "the app started here ignores the shell's key"
 
 
-def test_the_key_reaches_the_decision_log(endpoint):
+def test_the_key_reaches_every_decision_log_call_and_records_merge_by_request(endpoint):
     url, seen = endpoint
-    assert decisions(url, "admin-key", 5) == [{"request_id": "r1"}]
-    assert seen == [("/admin/decisions?n=5", "Bearer admin-key")]
+    assert decisions(url, "admin-key", 5, calls=3) == [{"request_id": "r1"}]
+    assert seen == [("/admin/decisions?n=5", "Bearer admin-key")] * 3
 
 
 def test_model_flags_without_a_url_end_the_program():
