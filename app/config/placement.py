@@ -25,7 +25,8 @@ class Placement:
     probe_tokens: Int = Field(default=256, ge=32)
     """Each engine times a prefill of this many tokens at start: its first measured compute cost.
     Long enough that compute, not a step's fixed cost, sets its time (thousands on a large GPU);
-    a longer probe delays the engine's start. At least 32: shorter prefills are not measured."""
+    a longer probe delays the engine's start. A real turn's prefill re-measures the cost only if at
+    least this long, for the same reason."""
     cost_refresh_s: Seconds = 10.0
     """An engine whose compute cost is older than this re-times it with one probe once idle for
     cost_refresh_quiet_s: lower follows a changing machine sooner, for more probes."""

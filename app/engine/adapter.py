@@ -149,7 +149,7 @@ class Engine:
         self.endpoint = EngineEndpoint(engine_id=self.identity.engine_id, host=host,
                                        port=self.identity.port, tp_size=config.tensor_parallel_size)
         self.tracker = LoadTracker(kv_bytes_per_token(config.model_path()), config.placement.probe_window,
-                                   config.engine_world_size, config.nixl_backends)
+                                   config.engine_world_size, config.nixl_backends, config.placement.probe_tokens)
         # RayPrometheusStatLogger: vLLM's own metrics through Ray's endpoint (the dashboard's engine panels).
         self.llm = AsyncLLM.from_engine_args(engine_args(config, group, self.identity),
                                              stat_loggers=[load_logger_factory(self.tracker), RayPrometheusStatLogger])

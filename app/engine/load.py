@@ -8,10 +8,6 @@ from typing import Any
 
 from app.protocol import LoadReport
 
-MIN_MEASURED_TOKENS = 32
-"""A prefill measures the engine's compute cost only when it computed at least this many tokens."""
-
-
 COST_SMOOTHING = 0.2
 
 
@@ -20,9 +16,14 @@ class LoadTracker:
     prefills and its NIXL transfers for the measured costs."""
 
     def __init__(self, kv_bytes_per_token: int, probe_window: int = 1, ranks: int = 1,
-                 nixl_backends: tuple[str, ...] = ()) -> None:
+                 nixl_backends: tuple[str, ...] = (), min_measured_tokens: int = 256) -> None:
         self.report = LoadReport(nixl_backends=nixl_backends)
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.min_measured_tokens = min_measured_tokens
+        """A real prefill re-measures the compute cost only if at least this long (the probe's
+        length): a shorter one's time is mostly a step's fixed cost, so one short append on decode
+        made it look several times dearer than prefill, whose cost came from long prompts, and kept
+        turns off decode until its next probe."""
         self.ranks = ranks
         """The engine's workers (tensor x pipeline parallel): vLLM reports each one's transfers."""
         self.probes: deque[float] = deque(maxlen=probe_window)
@@ -47,7 +48,7 @@ class LoadTracker:
         """A finished prefill's time (vLLM's `prefill_time`) per token it computed, taken only when it
         ran alone: beside other requests a prefill's time includes theirs, and that cost times the
         queued tokens would count the queue twice, inflating every estimate under load."""
-        if computed_tokens >= MIN_MEASURED_TOKENS and seconds > 0 and others_in_engine == 0:
+        if computed_tokens >= self.min_measured_tokens and seconds > 0 and others_in_engine == 0:
             cost = _smoothed(self.report.compute_s_per_token, seconds / computed_tokens)
             self.report = replace(self.report, compute_s_per_token=cost)
             self.measured_at = time.monotonic()

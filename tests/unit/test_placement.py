@@ -227,8 +227,9 @@ def test_a_pull_queues_on_prefill_only_the_tokens_it_computes():
 def test_engines_measure_their_costs_from_vllm_s_own_stats():
     from app.engine.load import LoadTracker
 
-    tracker = LoadTracker(kv_bytes_per_token=1024)
+    tracker = LoadTracker(kv_bytes_per_token=1024, min_measured_tokens=256)
     tracker.observe_prefill(0.5, 8, 0)  # too short to measure
+    tracker.observe_prefill(0.1, 200, 0)  # shorter than the probe: mostly a step's fixed cost
     tracker.observe_prefill(0.02, 1000, 0)
     tracker.observe_prefill(0.5, 1000, 3)  # beside three other requests: its time includes theirs
     tracker.observe_prefill(0.04, 1000, 0)
