@@ -21,9 +21,9 @@ class LoadTracker:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.min_measured_tokens = min_measured_tokens
         """A real prefill re-measures the compute cost only if at least this long (the probe's
-        length): a shorter one's time is mostly a step's fixed cost, so one short append on decode
-        made it look several times dearer than prefill, whose cost came from long prompts, and kept
-        turns off decode until its next probe."""
+        length): a shorter one's time is mostly a step's fixed cost, which counted per token makes
+        an engine that computes short appends (decode) look several times dearer than one measured
+        on long prompts, and keeps turns off it until its next probe."""
         self.ranks = ranks
         """The engine's workers (tensor x pipeline parallel): vLLM reports each one's transfers."""
         self.probes: deque[float] = deque(maxlen=probe_window)
